@@ -1,0 +1,1 @@
+"""Scatter/gather kernels (g-SpMM, g-SDDMM, edge softmax) with autograd. Never imports ngra."""

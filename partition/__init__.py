@@ -1,0 +1,1 @@
+"""Graph partitioning: vertex reordering, 2D chunk grid, on-disk chunk store. Never imports ngra."""
