@@ -1,0 +1,171 @@
+"""Vertex reordering for locality: identity, reverse Cuthill-McKee (scipy) and METIS k-way (pymetis).
+
+A reordering renames vertices so that vertices with many edges between them get nearby ids. The
+chunk grid then cuts the new id space into contiguous intervals, so a good ordering puts most
+edges into few, dense chunks on the diagonal of the P x P grid (small edge cut, low chunk density).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.sparse.csgraph import reverse_cuthill_mckee
+
+from ._edges import as_edges, as_index_array, check_count
+
+__all__ = ["Ordering", "reorder", "METHODS"]
+
+METHODS = ("identity", "rcm", "metis")
+
+
+class Ordering:
+    """A vertex renaming: old (user) ids <-> new (reordered) ids.
+
+    - ``perm`` [N] int64, new -> old: ``perm[k]`` is the original id of the vertex placed at new
+      id ``k``. Vertex data in original order ``x`` [N, ...] becomes ``x[perm]`` in the new order.
+    - ``inv``  [N] int64, old -> new: ``inv[v]`` is the new id of original vertex ``v``;
+      ``inv[perm] == arange(N)``. Edges are relabeled as ``(inv[src], inv[dst])``.
+    - ``method``: how it was made (``"identity"``, ``"rcm"``, ``"metis"`` or ``"custom"``).
+    - ``bounds`` [k+1] int64 or ``None``: for a partitioning method (METIS) the new-id ranges of
+      its k parts, ``bounds[p]:bounds[p+1]`` (parts may be empty); ``None`` for a plain ordering.
+      ``partition.grid`` uses these as its intervals when it is asked for exactly k intervals.
+    """
+
+    __slots__ = ("perm", "inv", "method", "bounds")
+
+    def __init__(self, perm, *, method: str = "custom", bounds=None, inv=None):
+        perm = as_index_array(perm, "perm")
+        n = perm.shape[0]
+        if inv is None:
+            if n and (perm.min() < 0 or perm.max() >= n):
+                raise ValueError(f"perm must be a permutation of range({n}) (got ids outside it)")
+            inv = np.full(n, -1, dtype=np.int64)
+            inv[perm] = np.arange(n, dtype=np.int64)
+            if n and inv.min() < 0:
+                missing = int(np.flatnonzero(inv < 0)[0])
+                raise ValueError(
+                    f"perm must be a permutation of range({n}): vertex {missing} does not appear"
+                )
+        else:
+            inv = as_index_array(inv, "inv")
+        if bounds is not None:
+            bounds = as_index_array(bounds, "bounds")
+            if (bounds.shape[0] < 2 or bounds[0] != 0 or bounds[-1] != n
+                    or np.any(np.diff(bounds) < 0)):
+                raise ValueError(
+                    f"bounds must be non-decreasing from 0 to {n} with at least 2 entries "
+                    f"(got {bounds.tolist() if bounds.size <= 10 else bounds})"
+                )
+        self.perm, self.inv, self.method, self.bounds = perm, inv, str(method), bounds
+
+    @classmethod
+    def identity(cls, num_nodes: int) -> "Ordering":
+        num_nodes = check_count(num_nodes, "num_nodes")
+        ar = np.arange(num_nodes, dtype=np.int64)
+        return cls(ar, method="identity", inv=ar)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.perm.shape[0])
+
+    @property
+    def num_parts(self) -> int | None:
+        """Number of parts of a partitioning ordering, ``None`` for a plain ordering."""
+        return None if self.bounds is None else int(self.bounds.shape[0] - 1)
+
+    def relabel(self, ids) -> np.ndarray:
+        """Original ids -> new ids (``inv[ids]``), e.g. ``relabel(src)``."""
+        return self.inv[as_index_array(ids, "ids")]
+
+    def __repr__(self) -> str:
+        parts = "" if self.bounds is None else f", num_parts={self.num_parts}"
+        return f"Ordering(method={self.method!r}, num_nodes={self.num_nodes}{parts})"
+
+
+def reorder(src, dst, num_nodes: int, *, method: str = "rcm", num_parts: int | None = None,
+            seed: int = 0) -> Ordering:
+    """Compute a locality ordering of the graph ``src [E] -> dst [E]`` with ``num_nodes`` vertices.
+
+    Both methods look at the symmetrized simple graph (edge directions dropped, multi-edges merged,
+    self-loops removed), because locality is about which vertices share edges, not their direction.
+
+    - ``"identity"``: keep the user's ids.
+    - ``"rcm"``: reverse Cuthill-McKee (``scipy.sparse.csgraph.reverse_cuthill_mckee``): a BFS
+      ordering that keeps the adjacency matrix banded. No extra dependency, O(E), no parts.
+    - ``"metis"``: METIS k-way partitioning into ``num_parts`` parts via ``pymetis.part_graph``,
+      minimizing the number of input edges between parts (the symmetrized graph carries the edge
+      multiplicity as weight, so the METIS objective equals the directed edge cut reported by
+      ``GridStats``). Vertices are sorted by part, stable in original id, and the parts' new-id
+      ranges are returned as ``bounds``. ``seed`` fixes METIS's randomness. With
+      ``num_parts >= num_nodes`` every vertex gets its own part (trailing parts empty).
+
+    Returns an :class:`Ordering`. ``num_parts`` is required for ``"metis"`` and refused otherwise.
+    """
+    src, dst, num_nodes = as_edges(src, dst, num_nodes)
+    if method not in METHODS:
+        raise ValueError(f"unknown ordering method {method!r}; expected one of {METHODS}")
+    if method != "metis" and num_parts is not None:
+        raise ValueError(
+            f"num_parts={num_parts} is only used by method='metis' (got method={method!r}); "
+            f"leave it out"
+        )
+    if method == "identity" or (num_nodes == 0 and method == "rcm"):
+        return Ordering(np.arange(num_nodes, dtype=np.int64), method=method)  # scipy RCM fails on N=0
+    adj = symmetrized_adjacency(src, dst, num_nodes)
+    if method == "rcm":
+        perm = reverse_cuthill_mckee(adj, symmetric_mode=True).astype(np.int64)
+        return Ordering(perm, method="rcm")
+    if num_parts is None:
+        raise ValueError("method='metis' needs num_parts (the number of parts, e.g. num_parts=8)")
+    num_parts = check_count(num_parts, "num_parts", minimum=1)
+    parts = _metis_parts(adj, num_nodes, num_parts, seed)
+    perm = np.argsort(parts, kind="stable").astype(np.int64)
+    bounds = np.zeros(num_parts + 1, dtype=np.int64)
+    np.cumsum(np.bincount(parts, minlength=num_parts), out=bounds[1:])
+    return Ordering(perm, method="metis", bounds=bounds)
+
+
+def symmetrized_adjacency(src: np.ndarray, dst: np.ndarray, num_nodes: int) -> sp.csr_matrix:
+    """[N, N] CSR of the undirected simple graph; entry (u, v) = number of input edges u->v or v->u."""
+    keep = src != dst
+    s, d = src[keep], dst[keep]
+    rows = np.concatenate([s, d])
+    cols = np.concatenate([d, s])
+    data = np.ones(rows.shape[0], dtype=np.int64)
+    adj = sp.coo_matrix((data, (rows, cols)), shape=(num_nodes, num_nodes)).tocsr()
+    adj.sum_duplicates()
+    return adj
+
+
+def _metis_parts(adj: sp.csr_matrix, num_nodes: int, num_parts: int, seed: int) -> np.ndarray:
+    if num_nodes == 0:
+        return np.zeros(0, dtype=np.int64)
+    if num_parts == 1:
+        return np.zeros(num_nodes, dtype=np.int64)
+    if num_parts >= num_nodes:
+        return np.arange(num_nodes, dtype=np.int64)
+    try:
+        import pymetis
+    except ImportError as e:
+        raise ImportError(
+            "ordering method 'metis' needs pymetis; install it with "
+            "`pip install 'ngra[partition]'` (or `pip install pymetis`), or use method='rcm'"
+        ) from e
+    idx = pymetis.zero_copy_dtype() if hasattr(pymetis, "zero_copy_dtype") else np.int64
+    xadj = adj.indptr.astype(idx)
+    adjncy = adj.indices.astype(idx)
+    eweights = adj.data.astype(idx) if adj.nnz else None
+    options = pymetis.Options(seed=int(seed))
+    if hasattr(pymetis, "CSRAdjacency"):  # pymetis >= 2025.2; xadj/adjncy keywords are deprecated
+        result = pymetis.part_graph(num_parts, pymetis.CSRAdjacency(xadj, adjncy),
+                                    eweights=eweights, options=options)
+    else:
+        result = pymetis.part_graph(num_parts, xadj=xadj, adjncy=adjncy,
+                                    eweights=eweights, options=options)
+    parts = np.asarray(result[1], dtype=np.int64)
+    if parts.shape != (num_nodes,) or (parts.size and (parts.min() < 0 or parts.max() >= num_parts)):
+        raise RuntimeError(
+            f"pymetis returned an invalid partition (shape {parts.shape}, expected ({num_nodes},) "
+            f"with parts in [0, {num_parts}))"
+        )
+    return parts
