@@ -1,0 +1,329 @@
+"""The dataflow IR that SAGA-NN vertex programs compile to.
+
+An :class:`IR` is an ordered list of :class:`Node` s in the manner of ``torch.fx``: every node has an
+``op`` (what kind of node), a ``target`` (what it calls), ``args``/``kwargs`` (which may hold other
+nodes, constants, or tuples/lists/slices of them) and a ``domain``:
+
+- ``vertex``: a tensor with one row per vertex, shape [N, ...];
+- ``edge``: a tensor with one row per edge, shape [E, ...], in the graph's edge order;
+- ``param``: a value that does not depend on the graph (module parameters, constants, and
+  arithmetic on them).
+
+Node ops:
+
+=================  ==================================================================================
+``input``          target ``("vertex", name)`` or ``("edge", name)``: a field of vdata / edata
+``get_attr``       target: qualified name of a parameter or buffer of the layer (``lin.weight``)
+``const``          a tensor constant captured by the user's code; value in ``node.value``
+``call_module``    target: qualified name of a submodule of the layer (``lin``)
+``call_function``  target: a Python callable (``operator.mul``, ``torch.relu``, ...)
+``call_method``    target: a method name, called on ``args[0]`` (``view``, ``sum``, ...)
+``scatter``        target ``"src"`` or ``"dst"``: copy a vertex value onto edges (SAGA Scatter)
+``gather``         target: reducer name; reduce an edge value at destinations (SAGA Gather)
+``edge_softmax``   softmax of an edge value over each destination's in-edges
+``gsddmm``         target: op name (``u_add_v``, ``u_mul_e``, ...); args ``(u, v, e)``: fused
+                   Scatter + element-wise ApplyEdge, edge output
+``gspmm``          target ``(op, reduce)``; args ``(u, e)``: fused Scatter + ApplyEdge + Gather,
+                   vertex output; no [E, F] tensor is materialized
+``output``         args ``(value,)``: the layer's result
+=================  ==================================================================================
+
+After shape propagation each tensor-valued node carries ``node.shape`` (leading dim written
+symbolically as ``"N"`` or ``"E"``) and ``node.dtype``; they show in the printed IR.
+"""
+
+from __future__ import annotations
+
+import builtins
+import operator
+from typing import Any, Callable, Iterable
+
+import torch
+
+__all__ = ["Node", "IR", "IRError", "map_nodes", "node_inputs"]
+
+DOMAINS = ("vertex", "edge", "param")
+OPS = (
+    "input", "get_attr", "const", "call_module", "call_function", "call_method",
+    "scatter", "gather", "edge_softmax", "gsddmm", "gspmm", "output",
+)
+
+
+class IRError(ValueError):
+    """An IR failed ``lint()``; the message includes the IR dump."""
+
+
+class Node:
+    """One value of the dataflow graph (see the module docstring for ``op``/``target``)."""
+
+    __slots__ = ("name", "op", "target", "args", "kwargs", "domain", "shape", "dtype", "value")
+
+    def __init__(self, name: str, op: str, target: Any, args: tuple = (), kwargs: dict | None = None,
+                 domain: str = "param", *, value: Any = None):
+        self.name = name
+        self.op = op
+        self.target = target
+        self.args = tuple(args)
+        self.kwargs = dict(kwargs or {})
+        self.domain = domain
+        self.shape: tuple | None = None
+        self.dtype: torch.dtype | None = None
+        self.value = value
+
+    def inputs(self) -> list["Node"]:
+        """The nodes this node reads, in argument order, without repeats."""
+        return node_inputs((self.args, self.kwargs))
+
+    def format(self) -> str:
+        """One line: ``%name: domain[shape] dtype = op_text(args)``."""
+        return f"%{self.name}{_format_type(self)} = {_format_call(self)}"
+
+    def __repr__(self) -> str:
+        return f"Node({self.format()})"
+
+
+def map_nodes(value: Any, fn: Callable[[Node], Any]) -> Any:
+    """Apply ``fn`` to every Node inside ``value`` (tuples, lists, dicts and slices are walked)."""
+    if isinstance(value, Node):
+        return fn(value)
+    if isinstance(value, tuple):
+        return tuple(map_nodes(v, fn) for v in value)
+    if isinstance(value, list):
+        return [map_nodes(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: map_nodes(v, fn) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(map_nodes(value.start, fn), map_nodes(value.stop, fn), map_nodes(value.step, fn))
+    return value
+
+
+def node_inputs(value: Any) -> list[Node]:
+    found: dict[int, Node] = {}
+
+    def visit(n: Node) -> Node:
+        found.setdefault(id(n), n)
+        return n
+
+    map_nodes(value, visit)
+    return list(found.values())
+
+
+class IR:
+    """An ordered list of nodes ending in one ``output`` node. ``str(ir)`` is one line per node."""
+
+    def __init__(self, nodes: Iterable[Node] = ()):
+        self.nodes: list[Node] = list(nodes)
+
+    # -- construction -----------------------------------------------------------------------
+    def fresh_name(self, hint: str) -> str:
+        taken = {n.name for n in self.nodes}
+        base = _sanitize(hint) or "v"
+        if base not in taken:
+            return base
+        i = 1
+        while f"{base}_{i}" in taken:
+            i += 1
+        return f"{base}_{i}"
+
+    def insert(self, index: int, node: Node) -> Node:
+        self.nodes.insert(index, node)
+        return node
+
+    def append(self, node: Node) -> Node:
+        self.nodes.append(node)
+        return node
+
+    @property
+    def output(self) -> Node:
+        return self.nodes[-1]
+
+    def inputs(self) -> list[Node]:
+        return [n for n in self.nodes if n.op == "input"]
+
+    def users(self) -> dict[int, list[Node]]:
+        """Map ``id(node) -> nodes that read it`` (in program order)."""
+        out: dict[int, list[Node]] = {id(n): [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs():
+                out.setdefault(id(i), []).append(n)
+        return out
+
+    def replace_all_uses(self, old: Node, new: Node) -> None:
+        swap = lambda n: new if n is old else n  # noqa: E731
+        for n in self.nodes:
+            n.args = map_nodes(n.args, swap)
+            n.kwargs = map_nodes(n.kwargs, swap)
+
+    def copy(self) -> "IR":
+        """A deep copy of the node list (targets and constant values are shared)."""
+        mapping: dict[int, Node] = {}
+        nodes = []
+        for n in self.nodes:
+            c = Node(n.name, n.op, n.target, (), None, n.domain, value=n.value)
+            c.args = map_nodes(n.args, lambda x: mapping[id(x)])
+            c.kwargs = map_nodes(n.kwargs, lambda x: mapping[id(x)])
+            c.shape, c.dtype = n.shape, n.dtype
+            mapping[id(n)] = c
+            nodes.append(c)
+        return IR(nodes)
+
+    # -- inspection ---------------------------------------------------------------------------
+    def __str__(self) -> str:
+        return "\n".join(n.format() if n.op != "output" else f"return %{n.args[0].name}"
+                         for n in self.nodes)
+
+    def __repr__(self) -> str:
+        return f"IR({len(self.nodes)} nodes)\n{self}"
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def ops(self) -> list[str]:
+        """The compute ops (everything but inputs, parameters, constants and output), in order."""
+        return [n.op for n in self.nodes if n.op not in ("input", "get_attr", "const", "output")]
+
+    def lint(self) -> "IR":
+        """Check order, names, ownership and domains; raise :class:`IRError` with the dump."""
+        problems = []
+        seen: dict[int, Node] = {}
+        names: set[str] = set()
+        for i, n in enumerate(self.nodes):
+            if n.op not in OPS:
+                problems.append(f"%{n.name}: unknown op {n.op!r}")
+            if n.domain not in DOMAINS:
+                problems.append(f"%{n.name}: unknown domain {n.domain!r}")
+            if n.name in names:
+                problems.append(f"%{n.name}: name defined twice")
+            names.add(n.name)
+            for a in n.inputs():
+                if id(a) not in seen:
+                    owner = "later in this IR" if any(a is m for m in self.nodes) else "outside this IR"
+                    problems.append(f"%{n.name} reads %{a.name}, which is defined {owner}")
+            problems.extend(_check_domain(n))
+            if n.op == "output" and i != len(self.nodes) - 1:
+                problems.append(f"%{n.name}: output must be the last node")
+            seen[id(n)] = n
+        if not self.nodes or self.nodes[-1].op != "output":
+            problems.append("the IR must end with an output node")
+        if problems:
+            raise IRError("IR lint failed:\n  " + "\n  ".join(problems) + "\nIR:\n" + str(self))
+        return self
+
+
+def _check_domain(n: Node) -> list[str]:
+    ins = n.inputs()
+    doms = {a.domain for a in ins}
+    want = None
+    if n.op == "scatter":
+        if len(ins) != 1 or ins[0].domain != "vertex":
+            return [f"%{n.name}: scatter needs one vertex value (got {sorted(doms)})"]
+        want = "edge"
+    elif n.op == "gather":
+        if len(ins) != 1 or ins[0].domain != "edge":
+            return [f"%{n.name}: gather needs one edge value (got {sorted(doms)})"]
+        want = "vertex"
+    elif n.op == "edge_softmax":
+        want = "edge"
+    elif n.op in ("gspmm",):
+        want = "vertex"
+    elif n.op in ("gsddmm",):
+        want = "edge"
+    elif n.op.startswith("call_"):
+        if {"vertex", "edge"} <= doms:
+            return [f"%{n.name}: mixes vertex values and edge values "
+                    f"({', '.join('%' + a.name + ':' + a.domain for a in ins)}); ApplyEdge may only "
+                    "read e.src / e.dst / e.data, ApplyVertex only v.data and the gathered value"]
+        want = "edge" if "edge" in doms else "vertex" if "vertex" in doms else "param"
+    if want is not None and n.domain != want:
+        return [f"%{n.name}: domain {n.domain!r} should be {want!r}"]
+    return []
+
+
+# -- printing -----------------------------------------------------------------------------------
+
+_DTYPE_SHORT = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
+                torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
+
+_OPERATOR_NAMES = {operator.add: "add", operator.sub: "sub", operator.mul: "mul",
+                   operator.truediv: "div", operator.neg: "neg", operator.matmul: "matmul",
+                   operator.getitem: "getitem", operator.pow: "pow", operator.floordiv: "floordiv"}
+
+
+def _sanitize(s: str) -> str:
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in str(s))
+    return out.strip("_")
+
+
+def _format_type(n: Node) -> str:
+    if n.op == "output":
+        return ""
+    text = f": {n.domain}"
+    if n.shape is not None:
+        text += "[" + ", ".join(str(d) for d in n.shape) + "]"
+    if n.dtype is not None:
+        text += " " + _DTYPE_SHORT.get(n.dtype, str(n.dtype).replace("torch.", ""))
+    return text
+
+
+def function_name(fn: Any) -> str:
+    """A short readable name for a call_function target."""
+    if fn in _OPERATOR_NAMES:
+        return _OPERATOR_NAMES[fn]
+    mod = getattr(fn, "__module__", None) or ""
+    name = getattr(fn, "__name__", None) or repr(fn)
+    if mod.startswith("torch.nn.functional"):
+        return f"F.{name}"
+    if mod.startswith("torch") or getattr(torch, name, None) is fn:
+        return f"torch.{name}"
+    if fn is getattr(builtins, name, None):
+        return name
+    return f"{mod}.{name}" if mod else name
+
+
+def _format_arg(a: Any) -> str:
+    if isinstance(a, Node):
+        return f"%{a.name}"
+    if isinstance(a, tuple):
+        inner = ", ".join(_format_arg(x) for x in a)
+        return f"({inner},)" if len(a) == 1 else f"({inner})"
+    if isinstance(a, list):
+        return "[" + ", ".join(_format_arg(x) for x in a) + "]"
+    if isinstance(a, slice):
+        parts = ["" if x is None else _format_arg(x) for x in (a.start, a.stop, a.step)]
+        return ":".join(parts[:2] if a.step is None else parts)
+    if isinstance(a, torch.dtype):
+        return str(a)
+    if a is Ellipsis:
+        return "..."
+    return repr(a)
+
+
+def _format_call(n: Node) -> str:
+    args = ", ".join([_format_arg(a) for a in n.args] +
+                     [f"{k}={_format_arg(v)}" for k, v in n.kwargs.items()])
+    if n.op == "input":
+        return f"input[{n.target[0]}.{n.target[1]}]"
+    if n.op == "get_attr":
+        return f"param[{n.target}]"
+    if n.op == "const":
+        v = n.value
+        return f"const[{tuple(v.shape)}]" if isinstance(v, torch.Tensor) else f"const[{v!r}]"
+    if n.op == "call_module":
+        return f"{n.target}({args})"
+    if n.op == "call_function":
+        return f"{function_name(n.target)}({args})"
+    if n.op == "call_method":
+        rest = ", ".join([_format_arg(a) for a in n.args[1:]] +
+                         [f"{k}={_format_arg(v)}" for k, v in n.kwargs.items()])
+        return f"{_format_arg(n.args[0])}.{n.target}({rest})"
+    if n.op == "gspmm":
+        op, reduce = n.target
+        return f"gspmm[{op}, {reduce}]({', '.join(_format_arg(a) for a in n.args if a is not None)})"
+    if n.op == "gsddmm":  # operands in the op's own order: e_add_v(%e, %v)
+        parts = n.target.split("_")
+        sides = [parts[1]] if parts[0] == "copy" else [parts[0], parts[2]]
+        by_side = dict(zip("uve", n.args))
+        return f"gsddmm[{n.target}]({', '.join(_format_arg(by_side[s]) for s in sides)})"
+    if n.op in ("scatter", "gather"):
+        return f"{n.op}[{n.target}]({', '.join(_format_arg(a) for a in n.args if a is not None)})"
+    return f"{n.op}({args})"

@@ -1,0 +1,203 @@
+"""SAGA-NN vertex programs and their compiled form."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+import torch
+
+from . import function as fn
+from .executor import GraphOps, propagate_shapes, run_eager, run_ir
+from .graph import Graph
+from .ir import IR
+from .passes import optimize
+from .trace import TraceFailure, trace
+
+__all__ = ["VertexProgram", "Program", "compile", "NgraWarning"]
+
+
+class NgraWarning(UserWarning):
+    """ngra had to take a slower path (for example, running a layer eagerly)."""
+
+
+def _reducer_name(gather) -> str:
+    name = gather.name if isinstance(gather, fn.ReduceFunction) else gather
+    if not isinstance(name, str) or name not in fn.REDUCERS:
+        raise ValueError(f"gather must be one of {list(fn.REDUCERS)} or an ngra.fn reducer "
+                         f"(got {gather!r})")
+    return name
+
+
+class VertexProgram(torch.nn.Module):
+    """A GNN layer written as a SAGA-NN vertex program.
+
+    For every edge (u -> v) of the graph:
+
+    1. **Scatter** (system): the vertex fields returned by :meth:`scatter` are copied onto the
+       edge as ``e.src[name]`` (from u) and ``e.dst[name]`` (from v);
+    2. **ApplyEdge** (:meth:`apply_edge`, NN allowed): returns the message, shape [E, ...];
+    3. **Gather** (system): the messages are reduced at each destination with ``gather`` (one of
+       "sum", "mean", "max", "min"; vertices without in-edges get zeros), giving ``acc`` [N, ...];
+    4. **ApplyVertex** (:meth:`apply_vertex`, NN allowed): returns the new vertex data [N, ...].
+
+    Calling ``layer(g, vdata, edata=None)`` compiles the program once per input signature (field
+    names, trailing shapes, dtypes, devices, train/eval mode) to an optimized IR and runs it.
+    ``vdata`` is a tensor [N, ...] (exposed as field ``"h"``) or a dict of such tensors; ``edata`` a
+    dict of [E, ...] tensors. ``apply_edge`` may also be a built-in descriptor from ``ngra.fn``.
+    Subclasses may override :meth:`forward` to add work around :meth:`propagate`.
+    """
+
+    gather: Any = "sum"
+
+    def __init__(self, gather=None):
+        super().__init__()
+        if gather is not None:
+            self.gather = gather
+        _reducer_name(self.gather)
+        self._programs: dict = {}
+
+    # -- the four SAGA functions ------------------------------------------------------------------
+    def scatter(self, v) -> dict:
+        """Vertex fields to expose on edges (default: all of ``v.data``)."""
+        return dict(v.data)
+
+    def apply_edge(self, e):
+        raise NotImplementedError(f"{type(self).__name__} must define apply_edge(self, e) (or set "
+                                  "apply_edge = ngra.fn.<builtin>(...))")
+
+    def apply_vertex(self, v, acc):
+        """New vertex data from the gathered ``acc`` [N, ...] (default: ``acc``)."""
+        return acc
+
+    # -- running ----------------------------------------------------------------------------------
+    def forward(self, g: Graph, vdata, edata=None):
+        return self.propagate(g, vdata, edata)
+
+    def propagate(self, g: Graph, vdata, edata=None):
+        """Run Scatter -> ApplyEdge -> Gather -> ApplyVertex on graph ``g``."""
+        vdata, edata = check_inputs(self, g, vdata, edata)
+        program = self.program_for(vdata, edata)
+        from .engine import current_engine  # the streaming engine, when one is active
+        engine = current_engine()
+        if engine is not None:
+            return engine.run(program, g, vdata, edata)
+        return program.run(g, vdata, edata, checked=True)
+
+    def program_for(self, vdata: dict, edata: dict) -> "Program":
+        key = (self.training, _signature(vdata), _signature(edata))
+        programs = self.__dict__.setdefault("_programs", {})
+        prog = programs.get(key)
+        if prog is None:
+            prog = programs[key] = Program(self, vdata, edata)
+        return prog
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_programs"] = {}  # compiled programs are rebuilt after unpickling or deepcopy
+        return state
+
+
+def _signature(data: dict) -> tuple:
+    return tuple((k, tuple(t.shape[1:]), t.dtype, t.device.type) for k, t in data.items())
+
+
+def check_inputs(layer, g, vdata, edata):
+    """Validate and normalize ``vdata`` / ``edata`` for graph ``g`` (clear errors, no copies)."""
+    where = type(layer).__name__
+    if not isinstance(g, Graph):
+        raise TypeError(f"{where}: expected an ngra.Graph as the first argument (got "
+                        f"{type(g).__name__}); build one with ngra.Graph(src, dst, num_nodes)")
+    if isinstance(vdata, torch.Tensor):
+        vdata = {"h": vdata}
+    if not isinstance(vdata, Mapping) or not vdata:
+        raise TypeError(f"{where}: vdata must be a tensor [N, ...] or a non-empty dict of field name "
+                        f"-> tensor (got {type(vdata).__name__})")
+    if edata is None:
+        edata = {}
+    if not isinstance(edata, Mapping):
+        raise TypeError(f"{where}: edata must be a dict of field name -> tensor [E, ...] (got "
+                        f"{type(edata).__name__})")
+    for kind, data, rows, what in (("vdata", vdata, g.num_nodes, "vertices"),
+                                   ("edata", edata, g.num_edges, "edges")):
+        for k, t in data.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where}: {kind} field names must be strings (got {k!r})")
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{where}: {kind}[{k!r}] must be a torch.Tensor (got {type(t).__name__})")
+            if t.dim() == 0 or t.shape[0] != rows:
+                raise ValueError(f"{where}: {kind}[{k!r}] must have one row per {what[:-1]}: expected "
+                                 f"shape [{rows}, ...] for a graph with {rows} {what} (got "
+                                 f"{tuple(t.shape)})")
+            if t.device != g.device:
+                raise ValueError(f"{where}: {kind}[{k!r}] is on {t.device} but the graph is on "
+                                 f"{g.device}; move both to one device (g.to(device))")
+    return dict(vdata), dict(edata)
+
+
+class Program:
+    """A vertex program compiled for one input signature.
+
+    ``raw_ir`` is the traced IR, ``ir`` the optimized one (both print one line per node).
+    If the layer could not be traced (``eager`` is True, ``reason`` says why) the program runs the
+    layer's functions directly, which is correct but unoptimized.
+    """
+
+    def __init__(self, layer: VertexProgram, vdata: dict, edata: dict, *, optimize_ir: bool = True):
+        self.layer = layer
+        self.reduce = _reducer_name(layer.gather)
+        self.vsig = {k: (tuple(t.shape[1:]), t.dtype) for k, t in vdata.items()}
+        self.esig = {k: (tuple(t.shape[1:]), t.dtype) for k, t in edata.items()}
+        self.eager = False
+        self.reason = None
+        self.raw_ir: IR | None = None
+        self.ir: IR | None = None
+        try:
+            raw, _ = trace(layer, list(vdata), list(edata), self.reduce)
+        except TraceFailure as e:
+            self.eager, self.reason = True, str(e)
+            warnings.warn(f"{type(layer).__name__} could not be compiled ({e}); it runs eagerly "
+                          "instead, which is correct but without lift/fuse optimizations. Python "
+                          "control flow that depends on tensor values cannot be traced.",
+                          NgraWarning, stacklevel=4)
+            return
+        raw.lint()
+        try:
+            propagate_shapes(raw, layer, self.vsig, self.esig)
+        except Exception as e:
+            raise type(e)(f"{type(layer).__name__} failed on a sample batch with inputs "
+                          f"{_describe_sig(self.vsig, self.esig)}: {e}\ntraced IR:\n{raw}") from e
+        self.raw_ir = raw
+        self.ir = optimize(raw) if optimize_ir else raw
+
+    def run(self, g: Graph, vdata, edata=None, *, fused: bool = True, backend: str = "auto",
+            checked: bool = False):
+        """Run on graph ``g``. ``fused=False`` runs the raw (unoptimized) IR."""
+        if not checked:
+            vdata, edata = check_inputs(self.layer, g, vdata, edata)
+        ops = GraphOps(g.in_csr(), backend)
+        if self.eager:
+            return run_eager(self.layer, ops, vdata, edata, self.reduce)
+        return run_ir(self.ir if fused else self.raw_ir, self.layer, ops, vdata, edata)
+
+    __call__ = run
+
+    def __repr__(self):
+        head = f"Program({type(self.layer).__name__}, gather={self.reduce!r}, inputs={_describe_sig(self.vsig, self.esig)})"
+        if self.eager:
+            return f"{head}\n  eager: {self.reason}"
+        return f"{head}\n{self.ir}"
+
+
+def _describe_sig(vsig, esig) -> str:
+    parts = [f"v.{k}[N{''.join(f', {d}' for d in s)}]" for k, (s, _) in vsig.items()]
+    parts += [f"e.{k}[E{''.join(f', {d}' for d in s)}]" for k, (s, _) in esig.items()]
+    return "{" + ", ".join(parts) + "}"
+
+
+def compile(layer: VertexProgram, g: Graph, vdata, edata=None) -> Program:  # noqa: A001
+    """Compile ``layer`` for the signature of ``vdata``/``edata`` on ``g``; cached on the layer."""
+    if not isinstance(layer, VertexProgram):
+        raise TypeError(f"ngra.compile expects an ngra.VertexProgram (got {type(layer).__name__})")
+    vdata, edata = check_inputs(layer, g, vdata, edata)
+    return layer.program_for(vdata, edata)
