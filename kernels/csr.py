@@ -25,7 +25,8 @@ class CSR:
     reduction order, and so every result, deterministic.
     """
 
-    __slots__ = ("indptr", "indices", "eids", "num_src", "num_dst", "_transpose", "_dst_ids")
+    __slots__ = ("indptr", "indices", "eids", "num_src", "num_dst", "_transpose", "_dst_ids",
+                 "_coo", "_deg", "_backend_cache")
 
     def __init__(self, indptr, indices, eids, num_src, num_dst):
         self.indptr = indptr
@@ -35,6 +36,11 @@ class CSR:
         self.num_dst = int(num_dst)
         self._transpose = None
         self._dst_ids = None
+        self._coo = None
+        self._deg = None
+        # Per-backend derived data (numpy views, row partitions, device copies), filled lazily by
+        # the kernel backends so that it is computed once per graph rather than once per call.
+        self._backend_cache = {}
 
     @classmethod
     def from_coo(cls, src, dst, num_nodes, *, index_dtype=None) -> "CSR":
@@ -85,6 +91,23 @@ class CSR:
                 torch.arange(self.num_dst, device=self.device), counts
             )
         return self._dst_ids
+
+    def coo(self):
+        """``(src, dst)`` [E] int64 in ORIGINAL edge order (edge k is ``src[k] -> dst[k]``), cached."""
+        if self._coo is None:
+            eids = self.eids.to(torch.int64)
+            src = torch.empty(self.num_edges, dtype=torch.int64, device=self.device)
+            dst = torch.empty_like(src)
+            src[eids] = self.indices.to(torch.int64)
+            dst[eids] = self.dst_ids()
+            self._coo = (src, dst)
+        return self._coo
+
+    def in_degrees(self) -> torch.Tensor:
+        """Number of in-edges of each destination [num_dst] int64, cached."""
+        if self._deg is None:
+            self._deg = self.indptr[1:] - self.indptr[:-1]
+        return self._deg
 
     def transpose(self) -> "CSR":
         """The same edges grouped by source (rows = sources), keeping original edge ids; cached."""

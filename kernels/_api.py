@@ -1,0 +1,302 @@
+"""Public kernels (gspmm, gsddmm, edge_softmax) as autograd Functions over backend primitives.
+
+Backward passes are written once, here, in terms of the same primitives (on the transposed CSR
+where gradients flow back to sources), so every backend gets gradients by implementing forward
+kernels only. Double backward is not supported (``once_differentiable``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import _backend
+from ._ops import (
+    REDUCES,
+    SDDMM_OPS,
+    SPMM_OPS,
+    check_choice,
+    check_same_dtype,
+    check_tensor,
+    out_feat_shape,
+    padded_view,
+    reduce_to,
+)
+from .csr import CSR
+
+__all__ = ["gspmm", "gsddmm", "edge_softmax"]
+
+_ROWS = {"u": ("num_src", "source vertex"), "v": ("num_dst", "destination vertex"),
+         "e": ("num_edges", "edge")}
+
+
+def _check_csr(csr):
+    if not isinstance(csr, CSR):
+        raise TypeError(f"expected a kernels.CSR as graph (got {type(csr).__name__}); "
+                        f"build one with CSR.from_coo(src, dst, num_nodes)")
+
+
+def _check_operand(csr, name, target, x, needed, opname):
+    if needed and x is None:
+        raise ValueError(f"op {opname!r} needs operand {name!r} (got None)")
+    if not needed and x is not None:
+        raise ValueError(f"op {opname!r} does not use operand {name!r}; pass {name}=None")
+    if x is not None:
+        attr, what = _ROWS[target]
+        check_tensor(name, x, getattr(csr, attr), what, csr.device)
+
+
+def _feat(x):
+    return tuple(x.shape[1:]) if x is not None else ()
+
+
+# ----------------------------------------------------------------------------------------------
+# g-SpMM
+
+def gspmm(csr, op, reduce, u=None, e=None, backend="auto"):
+    """Generalized sparse-dense matrix multiply (fused message + aggregation).
+
+    For every destination v: ``out[v] = reduce_{k: u -> v} op(u[u], e[k])``.
+
+    Args:
+        csr: :class:`kernels.CSR` of the graph (rows = destinations).
+        op: one of copy_u, copy_e, u_add_e, u_sub_e, u_mul_e, u_div_e.
+        reduce: one of sum, mean, max, min. Destinations without in-edges get 0 for every reducer.
+        u: [num_src, *fu] source vertex features (all ops but copy_e).
+        e: [E, *fe] edge features in ORIGINAL edge order (all ops but copy_u).
+        backend: "auto", "numba", "numba_cuda" or "torch".
+
+    Returns:
+        [num_dst, *broadcast(fu, fe)] (trailing shapes broadcast like torch). Gradients flow to
+        ``u`` and ``e``; max/min route each output element's gradient through the edge that
+        attained it (the smallest edge id among ties).
+    """
+    _check_csr(csr)
+    check_choice("gspmm op", op, tuple(SPMM_OPS))
+    check_choice("reducer", reduce, REDUCES)
+    binop = SPMM_OPS[op]
+    _check_operand(csr, "u", "u", u, binop != "copy_rhs", op)
+    _check_operand(csr, "e", "e", e, binop != "copy_lhs", op)
+    check_same_dtype(u=u, e=e)
+    out_feat_shape(binop, _feat(u), _feat(e))  # raises on shapes that do not broadcast
+    mod = _backend.resolve(backend, csr.device)
+    return _GSpMM.apply(csr, mod, binop, reduce, u, e)
+
+
+class _GSpMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, csr, mod, binop, reduce, u, e):
+        out, arg = mod.spmm(csr, binop, reduce, u, e)
+        ctx.csr, ctx.mod, ctx.binop, ctx.reduce = csr, mod, binop, reduce
+        ctx.fu, ctx.fe = _feat(u), _feat(e)
+        ctx.save_for_backward(u, e, arg)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        u, e, arg = ctx.saved_tensors
+        csr, mod, binop, reduce = ctx.csr, ctx.mod, ctx.binop, ctx.reduce
+        need_u, need_e = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
+        g = grad_out.contiguous()
+        if reduce in ("max", "min"):
+            gu, ge = _arg_backward(csr, binop, arg, g, u, e, need_u, need_e)
+        else:
+            if reduce == "mean":
+                deg = csr.in_degrees().clamp(min=1).to(g.dtype)
+                g = g / deg.view((-1,) + (1,) * (g.dim() - 1))
+            gu = _spmm_sum_grad_u(csr, mod, binop, g, e) if need_u else None
+            ge = _spmm_sum_grad_e(csr, mod, binop, g, u, e) if need_e else None
+        gu = reduce_to(gu, ctx.fu) if gu is not None else None
+        ge = reduce_to(ge, ctx.fe) if ge is not None else None
+        if ge is not None and binop == "div" and reduce not in ("max", "min"):
+            # d(u/e)/de = -u/e^2; e is constant along the dims reduce_to summed, so the factor
+            # can be applied after the reduction.
+            ge = -ge / (e * e)
+        return None, None, None, None, gu, ge
+
+
+def _spmm_sum_grad_u(csr, mod, binop, g, e):
+    """d out / d u for sum: sum over each source's out-edges, i.e. a g-SpMM on the transpose."""
+    t = csr.transpose()
+    if binop in ("copy_lhs", "add", "sub"):
+        return mod.spmm(t, "copy_lhs", "sum", g, None)[0]
+    return mod.spmm(t, binop, "sum", g, e)[0]  # mul: g * e ; div: g / e
+
+
+def _spmm_sum_grad_e(csr, mod, binop, g, u, e):
+    """d out / d e for sum, per edge k = (s -> v), before reducing broadcast dims (for div the
+    caller still multiplies by -1/e^2)."""
+    if binop in ("copy_rhs", "add", "sub"):
+        ge = mod.sddmm(csr, "copy_lhs", g, "v", None, None)
+        return -ge if binop == "sub" else ge
+    fu, fe, fo = _feat(u), _feat(e), tuple(g.shape[1:])
+    # e broadcast along the last feature dim (e.g. one weight per head, [E, H, 1] against
+    # [N, H, F]): the gradient is a dot product over that dim, with no [E, H, F] temporary.
+    if fo and fe and fe[-1] == 1 and fo[-1] > 1 and fu and fu[-1] == fo[-1]:
+        return mod.sddmm(csr, "dot", u, "u", g, "v")
+    return mod.sddmm(csr, "mul", u, "u", g, "v")
+
+
+def _arg_backward(csr, binop, arg, g, u, e, need_u, need_e):
+    """max/min: only the arg edge of each output element gets gradient; O(num_dst * F) work.
+
+    Returns gradients in the broadcast output shape ([num_src, *fo], [E, *fo]); scatter_add_ on
+    CPU is sequential per output slice, so the result is deterministic.
+    """
+    fo = tuple(g.shape[1:])
+    nd = len(fo)
+    if csr.num_edges == 0:
+        z = lambda rows: torch.zeros((rows,) + fo, dtype=g.dtype, device=g.device)  # noqa: E731
+        return (z(csr.num_src) if need_u else None), (z(0) if need_e else None)
+    chosen = arg >= 0
+    eid = arg.clamp(min=0)
+    gm = torch.where(chosen, g, torch.zeros((), dtype=g.dtype, device=g.device))
+    src, _ = csr.coo()
+    sid = src[eid]
+
+    def pick(x, idx):  # x [R, *f] broadcast to [R, *fo]; returns x[idx[v, j], j]
+        xe = padded_view(x, nd).expand((x.shape[0],) + fo)
+        return torch.gather(xe, 0, idx)
+
+    gu = ge = None
+    if need_u:
+        if binop == "mul":
+            d = gm * pick(e, eid)
+        elif binop == "div":
+            d = gm / pick(e, eid)
+        else:
+            d = gm
+        gu = torch.zeros((csr.num_src,) + fo, dtype=g.dtype, device=g.device)
+        gu.scatter_add_(0, sid, d)
+    if need_e:
+        if binop == "mul":
+            d = gm * pick(u, sid)
+        elif binop == "div":
+            ev = pick(e, eid)
+            d = -gm * pick(u, sid) / (ev * ev)
+        elif binop == "sub":
+            d = -gm
+        else:
+            d = gm
+        ge = torch.zeros((csr.num_edges,) + fo, dtype=g.dtype, device=g.device)
+        ge.scatter_add_(0, eid, d)
+    return gu, ge
+
+
+# ----------------------------------------------------------------------------------------------
+# g-SDDMM
+
+def gsddmm(csr, op, u=None, v=None, e=None, backend="auto"):
+    """Generalized sampled dense-dense matrix multiply: one result per edge.
+
+    For every edge k = (s -> d): ``out[k] = op(x[k], y[k])`` where the operands are read from
+    ``u[s]`` (source), ``v[d]`` (destination) or ``e[k]`` (edge) as the op name says.
+
+    Args:
+        csr: :class:`kernels.CSR`.
+        op: one of u_add_v, u_sub_v, u_mul_v, u_dot_v, u_add_e, u_mul_e, u_dot_e, copy_u, copy_v.
+        u: [num_src, *fu]; v: [num_dst, *fv]; e: [E, *fe] (original edge order).
+        backend: "auto", "numba", "numba_cuda" or "torch".
+
+    Returns:
+        [E, *fo] in ORIGINAL edge order; ``fo`` is the torch broadcast of the operand shapes, and
+        for ``*_dot_*`` the broadcast of all but the last dim followed by 1
+        (u [N, H, F] . v [N, H, F] -> [E, H, 1]).
+    """
+    _check_csr(csr)
+    check_choice("gsddmm op", op, tuple(SDDMM_OPS))
+    binop, lt, rt = SDDMM_OPS[op]
+    given = {"u": u, "v": v, "e": e}
+    for name in ("u", "v", "e"):
+        _check_operand(csr, name, name, given[name], name in (lt, rt), op)
+    check_same_dtype(u=u, v=v, e=e)
+    lhs, rhs = given[lt], (given[rt] if rt is not None else None)
+    out_feat_shape(binop, _feat(lhs), _feat(rhs))
+    mod = _backend.resolve(backend, csr.device)
+    return _GSDDMM.apply(csr, mod, binop, lt, rt, lhs, rhs)
+
+
+class _GSDDMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, csr, mod, binop, lt, rt, lhs, rhs):
+        out = mod.sddmm(csr, binop, lhs, lt, rhs, rt)
+        ctx.csr, ctx.mod, ctx.binop, ctx.lt, ctx.rt = csr, mod, binop, lt, rt
+        ctx.save_for_backward(lhs, rhs)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        lhs, rhs = ctx.saved_tensors
+        csr, mod, binop, lt, rt = ctx.csr, ctx.mod, ctx.binop, ctx.lt, ctx.rt
+        g = grad_out.contiguous()
+        gl = gr = None
+        if ctx.needs_input_grad[5]:
+            gl = _sddmm_grad(csr, mod, binop, g, lt, rhs, rt, sign=1)
+            gl = reduce_to(gl, _feat(lhs))
+        if ctx.needs_input_grad[6]:
+            gr = _sddmm_grad(csr, mod, binop, g, rt, lhs, lt, sign=-1 if binop == "sub" else 1)
+            gr = reduce_to(gr, _feat(rhs))
+        return None, None, None, None, None, gl, gr
+
+
+def _aggregate(csr, mod, target, coef_binop, partner, partner_target, g):
+    """Sum over edges of ``coef_binop(partner[pt], g)`` grouped by ``target``'s row.
+
+    ``coef_binop`` is "copy_rhs" (the per-edge coefficient is g itself) or "mul" (partner * g).
+    Result: [rows of target, *fo'] where fo' is the broadcast of partner's and g's shapes.
+    """
+    if target == "e":
+        if coef_binop == "copy_rhs":
+            return g
+        return mod.sddmm(csr, "mul", partner, partner_target, g, "e")
+    graph = csr.transpose() if target == "u" else csr
+    # In the transposed graph the roles of u and v swap: its "u" rows are original destinations.
+    other = "v" if target == "u" else "u"
+    if coef_binop == "copy_rhs":
+        return mod.spmm(graph, "copy_rhs", "sum", None, g)[0]
+    if partner_target == other:
+        return mod.spmm(graph, "mul", "sum", partner, g)[0]
+    # Partner on the same side or on the edge: form the per-edge coefficient first.
+    coef = mod.sddmm(csr, "mul", partner, partner_target, g, "e")
+    return mod.spmm(graph, "copy_rhs", "sum", None, coef)[0]
+
+
+def _sddmm_grad(csr, mod, binop, g, target, partner, partner_target, sign):
+    if binop in ("add", "sub", "copy_lhs"):
+        gx = _aggregate(csr, mod, target, "copy_rhs", None, None, g)
+        return -gx if sign < 0 else gx
+    # mul, and dot (g [.., 1] broadcasts along the reduced dim against partner [.., D]).
+    return _aggregate(csr, mod, target, "mul", partner, partner_target, g)
+
+
+# ----------------------------------------------------------------------------------------------
+# edge softmax
+
+def edge_softmax(csr, scores, backend="auto"):
+    """Softmax of edge scores over each destination's in-edges.
+
+    ``y[k] = exp(s[k] - m[d]) / sum_{j: -> d} exp(s[j] - m[d])`` with ``m[d]`` the max score of
+    d's in-edges (so large scores do not overflow), computed independently for every trailing
+    element (e.g. per head). ``scores`` [E, *f] in original edge order -> [E, *f].
+    """
+    _check_csr(csr)
+    check_tensor("scores", scores, csr.num_edges, "edge", csr.device)
+    mod = _backend.resolve(backend, csr.device)
+    return _EdgeSoftmax.apply(csr, mod, scores)
+
+
+class _EdgeSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, csr, mod, scores):
+        y = mod.edge_softmax(csr, scores)
+        ctx.csr, ctx.mod = csr, mod
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        (y,) = ctx.saved_tensors
+        return None, None, ctx.mod.edge_softmax_backward(ctx.csr, y, grad_y.contiguous())

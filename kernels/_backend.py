@@ -1,0 +1,93 @@
+"""Backend selection: one place that turns ``backend="auto"`` (or an override) into a module.
+
+A backend module provides the primitives the autograd Functions are written against:
+
+- ``spmm(csr, binop, reduce, lhs, rhs) -> (out, arg)``: ``out`` [num_dst, *fo]; ``reduce`` in
+  sum/mean/max/min; for max/min ``arg`` [num_dst, *fo] int64 holds the original edge id chosen
+  for each output element (-1 for destinations with no in-edge), else ``None``.
+- ``sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target) -> out`` [E, *fo] in original edge order.
+- ``edge_softmax(csr, scores) -> y`` and ``edge_softmax_backward(csr, y, grad_y) -> grad_scores``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+
+from ._ops import check_choice
+
+BACKENDS = ("auto", "numba", "numba_cuda", "torch")
+
+_lock = threading.Lock()
+_default = "auto"
+_override: list[str] = []  # stack of use_backend() contexts, innermost last
+_modules: dict = {}
+_unusable: dict = {}  # backend name -> reason it cannot be imported/used
+
+
+def set_default_backend(name: str) -> None:
+    """Set the process-wide backend that ``backend="auto"`` resolves to (``"auto"`` restores
+    selection by device)."""
+    global _default
+    check_choice("backend", name, BACKENDS)
+    _default = name
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Within the block, ``backend="auto"`` calls resolve to ``name`` (process-wide)."""
+    check_choice("backend", name, BACKENDS)
+    with _lock:
+        _override.append(name)
+    try:
+        yield
+    finally:
+        with _lock:
+            _override.pop()
+
+
+def _load(name: str):
+    if name in _modules:
+        return _modules[name]
+    if name in _unusable:
+        return None
+    modname = {"torch": "._torch_backend", "numba": "._numba_cpu", "numba_cuda": "._numba_cuda"}[name]
+    try:
+        mod = importlib.import_module(modname, __package__)
+        reason = mod.unusable_reason() if hasattr(mod, "unusable_reason") else None
+    except ImportError as err:  # numba missing or broken: fall back to the torch reference
+        mod, reason = None, f"{type(err).__name__}: {err}"
+    if reason is not None:
+        _unusable[name] = reason
+        return None
+    _modules[name] = mod
+    return mod
+
+
+def current_choice() -> str:
+    """The name ``"auto"`` currently stands for (an override, the default, or ``"auto"``)."""
+    if _override:
+        return _override[-1]
+    return _default
+
+
+def resolve(backend: str, device):
+    """Backend module for an explicit name or ``"auto"``, for tensors on ``device``."""
+    check_choice("backend", backend, BACKENDS)
+    name = backend if backend != "auto" else current_choice()
+    if name == "auto":
+        name = "numba_cuda" if device.type == "cuda" else "numba"
+        mod = _load(name)
+        return mod if mod is not None else _load("torch")
+    mod = _load(name)
+    if mod is None:
+        raise ValueError(f"backend {name!r} is not usable here: {_unusable[name]}")
+    if hasattr(mod, "check_device"):
+        mod.check_device(device)
+    return mod
+
+
+def backend_name(backend: str, device) -> str:
+    """Name of the module :func:`resolve` picks (for logs and benchmarks)."""
+    return resolve(backend, device).NAME

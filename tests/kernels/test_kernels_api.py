@@ -1,0 +1,127 @@
+"""Public surface: CSR record, backend selection, and the errors bad input gets."""
+
+import pytest
+import torch
+
+import kernels
+from kernels import CSR
+
+
+def small():
+    return CSR.from_coo(torch.tensor([0, 1, 2, 0]), torch.tensor([1, 2, 1, 1]), 3)
+
+
+def test_public_names():
+    assert set(kernels.__all__) == {"CSR", "gspmm", "gsddmm", "edge_softmax", "use_backend",
+                                    "set_default_backend"}
+
+
+def test_csr_fields_and_repr():
+    csr = small()
+    assert csr.indptr.tolist() == [0, 0, 3, 4]
+    assert csr.indices.tolist() == [0, 2, 0, 1]
+    assert csr.eids.tolist() == [0, 2, 3, 1]
+    assert csr.in_degrees().tolist() == [0, 3, 1]
+    src, dst = csr.coo()
+    assert src.tolist() == [0, 1, 2, 0] and dst.tolist() == [1, 2, 1, 1]
+    assert repr(csr) == ("CSR(num_src=3, num_dst=3, num_edges=4, index_dtype=torch.int64, "
+                         "device=cpu)")
+    t = csr.transpose()
+    assert (t.num_src, t.num_dst) == (3, 3) and t.transpose() is csr
+    assert t.indptr.tolist() == [0, 2, 3, 4] and t.eids.tolist() == [0, 3, 1, 2]
+
+
+def test_csr_bipartite_and_empty():
+    csr = CSR.from_coo(torch.tensor([4, 0], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32),
+                       (5, 2))
+    assert (csr.num_src, csr.num_dst, csr.index_dtype) == (5, 2, torch.int32)
+    out = kernels.gspmm(csr, "copy_u", "sum", u=torch.arange(5.0).unsqueeze(1))
+    assert out.tolist() == [[0.0], [4.0]]
+    empty = CSR.from_coo(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), (3, 2))
+    for reduce in ("sum", "mean", "max", "min"):
+        out = kernels.gspmm(empty, "copy_u", reduce, u=torch.ones(3, 4))
+        assert out.shape == (2, 4) and not out.any()
+    assert kernels.gsddmm(empty, "u_dot_v", u=torch.ones(3, 4), v=torch.ones(2, 4)).shape == (0, 1)
+    assert kernels.edge_softmax(empty, torch.ones(0, 2)).shape == (0, 2)
+
+
+def test_hand_computed_values():
+    csr = small()  # edges 0->1, 1->2, 2->1, 0->1
+    u = torch.tensor([[1.0], [10.0], [100.0]])
+    e = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert kernels.gspmm(csr, "u_mul_e", "sum", u=u, e=e).tolist() == [[0.0], [305.0], [20.0]]
+    assert kernels.gspmm(csr, "u_mul_e", "max", u=u, e=e).tolist() == [[0.0], [300.0], [20.0]]
+    mean = kernels.gspmm(csr, "copy_e", "mean", e=e.unsqueeze(1))
+    torch.testing.assert_close(mean, torch.tensor([[0.0], [8 / 3], [2.0]]))
+    assert kernels.gsddmm(csr, "u_sub_v", u=u, v=u).squeeze(1).tolist() == [-9.0, -90.0, 90.0, -9.0]
+    y = kernels.edge_softmax(csr, torch.log(torch.tensor([1.0, 5.0, 2.0, 1.0])))
+    torch.testing.assert_close(y, torch.tensor([0.25, 1.0, 0.5, 0.25]))
+
+
+def test_max_gradient_goes_to_one_edge_on_ties():
+    csr = small()
+    u = torch.tensor([[1.0], [1.0], [1.0]], requires_grad=True)
+    e = torch.ones(4, requires_grad=True)
+    kernels.gspmm(csr, "u_mul_e", "max", u=u, e=e).sum().backward()
+    # destination 1 ties across edges 0, 2, 3: the smallest edge id (0) takes the gradient.
+    assert e.grad.tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert u.grad.squeeze(1).tolist() == [1.0, 1.0, 0.0]
+
+
+def test_backend_selection():
+    from kernels import _backend
+
+    assert _backend.current_choice() == "auto"
+    with kernels.use_backend("torch"):
+        assert _backend.resolve("auto", torch.device("cpu")).NAME == "torch"
+        with kernels.use_backend("auto"):
+            assert _backend.current_choice() == "auto"
+        assert _backend.current_choice() == "torch"
+    assert _backend.current_choice() == "auto"
+    try:
+        kernels.set_default_backend("torch")
+        assert _backend.resolve("auto", torch.device("cpu")).NAME == "torch"
+    finally:
+        kernels.set_default_backend("auto")
+    # An explicit backend argument wins over the default.
+    assert _backend.resolve("torch", torch.device("cpu")).NAME == "torch"
+
+
+@pytest.mark.parametrize("call,exc,msg", [
+    (lambda c: kernels.gspmm(c, "u_pow_e", "sum", u=torch.ones(3, 2), e=torch.ones(4)),
+     ValueError, "unknown gspmm op 'u_pow_e'; valid names are 'copy_u'"),
+    (lambda c: kernels.gspmm(c, "copy_u", "prod", u=torch.ones(3, 2)), ValueError,
+     "unknown reducer 'prod'; valid names are 'sum', 'mean', 'max', 'min'"),
+    (lambda c: kernels.gspmm(c, "copy_u", "sum", u=torch.ones(3, 2), backend="cuda"), ValueError,
+     "unknown backend 'cuda'; valid names are 'auto', 'numba', 'numba_cuda', 'torch'"),
+    (lambda c: kernels.gsddmm(c, "u_dot_w", u=torch.ones(3, 2)), ValueError, "unknown gsddmm op"),
+    (lambda c: kernels.gspmm(c, "copy_u", "sum", u=torch.ones(4, 2)), ValueError,
+     r"u must have shape \[3, ...\] with one row per source vertex \(got shape \(4, 2\)\)"),
+    (lambda c: kernels.gspmm(c, "u_mul_e", "sum", u=torch.ones(3, 2), e=torch.ones(3)), ValueError,
+     r"e must have shape \[4, ...\] with one row per edge \(got shape \(3,\)\)"),
+    (lambda c: kernels.gspmm(c, "u_mul_e", "sum", u=torch.ones(3, 2), e=torch.ones(4, 3)),
+     ValueError, r"operand feature shapes \(2,\) and \(3,\) do not broadcast"),
+    (lambda c: kernels.gsddmm(c, "u_dot_v", u=torch.ones(3, 2), v=torch.ones(3, 3)), ValueError,
+     "dot needs both operands to end in the same feature dim"),
+    (lambda c: kernels.gspmm(c, "u_mul_e", "sum", u=torch.ones(3, 2), e=torch.ones(4, dtype=torch.float64)),
+     TypeError, "operands must share one dtype"),
+    (lambda c: kernels.gspmm(c, "copy_u", "sum", u=torch.ones(3, 2, dtype=torch.int64)), TypeError,
+     "u must be a floating tensor"),
+    (lambda c: kernels.gspmm(c, "copy_u", "sum"), ValueError, "op 'copy_u' needs operand 'u'"),
+    (lambda c: kernels.gspmm(c, "copy_u", "sum", u=torch.ones(3, 2), e=torch.ones(4)), ValueError,
+     "op 'copy_u' does not use operand 'e'"),
+    (lambda c: kernels.edge_softmax(c, torch.ones(5)), ValueError, "scores must have shape"),
+    (lambda c: kernels.gspmm("graph", "copy_u", "sum", u=torch.ones(3, 2)), TypeError,
+     "expected a kernels.CSR"),
+])
+def test_bad_input_errors(call, exc, msg):
+    with pytest.raises(exc, match=msg):
+        call(small())
+
+
+def test_bad_backend_names_in_selectors():
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        kernels.set_default_backend("fast")
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        with kernels.use_backend("fast"):
+            pass
