@@ -12,7 +12,9 @@
 from .grid import (Chunk, ChunkGrid, ChunkSource, CostModel, GridStats, compare_orderings,
                    format_stats_table, grid)
 from .reorder import Ordering, reorder
+from .store import ChunkStore, StoreError
 from .units import format_bytes, parse_bytes
 
 __all__ = ["Ordering", "reorder", "grid", "ChunkGrid", "ChunkSource", "Chunk", "CostModel",
-           "GridStats", "compare_orderings", "format_stats_table", "parse_bytes", "format_bytes"]
+           "GridStats", "compare_orderings", "format_stats_table", "ChunkStore", "StoreError",
+           "parse_bytes", "format_bytes"]

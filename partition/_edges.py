@@ -21,6 +21,8 @@ def as_index_array(x, name: str) -> np.ndarray:
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor, without importing torch here
         x = x.detach().cpu().numpy()
     arr = np.asarray(x)
+    if arr.size == 0 and arr.ndim == 1:
+        return arr.astype(np.int64)  # [] parses as float64; an empty list of ids is still fine
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must hold integer vertex ids (got dtype {arr.dtype})")
     if arr.ndim != 1:

@@ -270,7 +270,12 @@ class ChunkSource:
 
     def stats(self) -> GridStats:
         """Edge cut, chunk density and chunk size figures of this layout."""
-        return GridStats.from_counts(self.counts, self.bounds, self.ordering.method)
+        return GridStats.from_counts(self.counts, self.bounds, self.ordering_method)
+
+    @property
+    def ordering_method(self) -> str:
+        """Name of the ordering method (without loading the ordering)."""
+        return self.ordering.method
 
     def _check_interval(self, i, name: str) -> int:
         if isinstance(i, bool) or not isinstance(i, numbers.Integral):

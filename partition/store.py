@@ -1,0 +1,782 @@
+"""On-disk chunk store: a chunk grid (and vertex arrays) as memory-mapped ``.npy`` files.
+
+Layout of a store directory (format version 1)::
+
+    manifest.json         everything below, with shapes, dtypes, sizes and sha256 of each file
+    offsets.npy           [P*P + 1] int64: chunk (i, j) is edge slot range offsets[k]:offsets[k+1]
+                          with k = j * P + i (column-major, the order forward streaming reads)
+    src.npy, dst.npy      [E] int32/int64: local source / destination id of each edge slot
+    eids.npy              [E] int64: original edge id of each edge slot (increasing in a chunk)
+    chunk_sha256.npy      [P*P, 32] uint8: sha256 of chunk k's bytes src || dst || eids
+    perm.npy              [N] int64: the ordering, new id -> original id
+    vertex/<name>.npy     [N, ...]: vertex arrays, rows in new-id order (interval i is
+                          rows bounds[i]:bounds[i+1])
+
+Integrity: opening always checks the manifest's own checksum, that every listed file exists with
+the recorded byte size, ``.npy`` header, shape and dtype, and that the shapes agree with N, E and
+P. ``verify="full"`` (default) also checks every file's sha256; ``verify="lazy"`` defers the
+sha256 of big files to their first use (a chunk's own checksum when it is first loaded, a vertex
+array's or the ordering's when first requested). Any failure raises :class:`StoreError`.
+
+Atomicity: a store is written into a hidden sibling directory ``.<name>.tmp-<pid>-<token>``, each
+file is fsynced, ``manifest.json`` is written last, and only then is the directory renamed to its
+final name. A crash leaves either no store or the previous store at the final path (plus a
+hidden temporary directory, which :meth:`ChunkStore.open` refuses as incomplete).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ._edges import as_edges, check_count
+from .grid import (Chunk, ChunkGrid, ChunkSource, CostModel, index_dtype_for, interval_bounds,
+                   interval_of, search_num_intervals)
+from .reorder import Ordering
+from .units import format_bytes, parse_bytes
+
+__all__ = ["ChunkStore", "StoreError", "FORMAT", "FORMAT_VERSION"]
+
+FORMAT = "ngra-chunk-store"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_HASH_BLOCK = 8 << 20
+# Files read whole at open and always hash-checked: they are O(P^2) and everything depends on them.
+_SMALL_FILES = ("offsets.npy", "chunk_sha256.npy")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+
+
+class StoreError(ValueError):
+    """A chunk store that is incomplete, damaged or inconsistent with its manifest."""
+
+
+def _progress(enabled: bool, **kw):
+    # disable=None lets tqdm show bars on a terminal only, so logs and CI stay clean.
+    return tqdm(disable=None if enabled else True, **kw)
+
+
+class ChunkStore(ChunkSource):
+    """A chunk grid on disk. Same reading interface as :class:`~partition.ChunkGrid`
+    (``num_nodes``, ``num_edges``, ``num_intervals``, ``bounds``, ``counts``, ``ordering``,
+    ``chunk(i, j)``, ``chunks(order)``, ``stats()``), with memory-mapped, read-only arrays.
+
+    Make one with :meth:`write` (from an in-memory grid) or :meth:`write_from_blocks` (from a
+    stream of edge blocks, never holding the edge list in memory); read it with :meth:`open`.
+    """
+
+    # ------------------------------------------------------------------ reading
+    def __init__(self, path: Path, manifest: dict, verify: str):
+        self.path = path
+        self.manifest = manifest
+        self.verify_mode = verify
+        self.num_nodes = manifest["num_nodes"]
+        self.num_edges = manifest["num_edges"]
+        self.num_intervals = manifest["num_intervals"]
+        self.bounds = np.asarray(manifest["bounds"], dtype=np.int64)
+        self.index_dtype = np.dtype(manifest["index_dtype"])
+        self._offsets = self._load("offsets.npy")
+        self._chunk_sha = self._load("chunk_sha256.npy")
+        p = self.num_intervals
+        self.counts = np.diff(self._offsets).reshape(p, p).T.copy()
+        self._src = self._load("src.npy")
+        self._dst = self._load("dst.npy")
+        self._eids = self._load("eids.npy")
+        # In lazy mode a chunk is hash-checked the first time it is read; in full mode the whole
+        # files already were.
+        self._chunk_ok = np.full(p * p, verify == "full", dtype=bool)
+        self._file_ok = {name: verify == "full" or name in _SMALL_FILES  # open() hashed these
+                         for name in manifest["files"]}
+        self._ordering = None
+
+    @classmethod
+    def open(cls, path, *, verify: str = "full") -> "ChunkStore":
+        """Open the store at ``path``; ``verify`` is ``"full"`` or ``"lazy"`` (module docstring).
+
+        Raises :class:`StoreError` naming the file and the problem when the store is incomplete
+        (no manifest), damaged (size, header or checksum mismatch, missing file) or inconsistent.
+        """
+        if verify not in ("full", "lazy"):
+            raise ValueError(f"verify must be 'full' or 'lazy' (got {verify!r})")
+        path = Path(path)
+        manifest = _read_manifest(path)
+        _check_files(path, manifest)
+        for rel in _SMALL_FILES:
+            _check_sha(path, manifest, rel)
+        store = cls(path, manifest, verify)
+        store._check_offsets()
+        if verify == "full":
+            for rel in manifest["files"]:
+                if rel not in _SMALL_FILES:
+                    _check_sha(path, manifest, rel)
+        return store
+
+    def verify(self) -> None:
+        """Check the sha256 of every file now (what ``open(verify="full")`` does)."""
+        for rel in self.manifest["files"]:
+            _check_sha(self.path, self.manifest, rel)
+            self._file_ok[rel] = True
+        self._chunk_ok[:] = True
+
+    @property
+    def ordering(self) -> Ordering:
+        """The vertex ordering (``perm`` read from ``perm.npy``, ``inv`` computed once)."""
+        if self._ordering is None:
+            self._require_sha("perm.npy")
+            parts = self.manifest["ordering_parts"]
+            try:
+                self._ordering = Ordering(np.array(self._load("perm.npy")),
+                                          method=self.manifest["ordering"], bounds=parts)
+            except ValueError as e:
+                raise StoreError(f"{self.path / 'perm.npy'}: not a valid ordering ({e})") from e
+        return self._ordering
+
+    @property
+    def vertex_arrays(self) -> tuple[str, ...]:
+        """Names of the stored vertex arrays."""
+        return tuple(self.manifest["vertex_arrays"])
+
+    def vertex_array(self, name: str) -> np.ndarray:
+        """Vertex array ``name`` [N, ...], read-only memory map, rows in new-id order."""
+        if name not in self.manifest["vertex_arrays"]:
+            raise KeyError(f"no vertex array {name!r} in {self.path}; it has "
+                           f"{list(self.manifest['vertex_arrays'])}")
+        rel = f"vertex/{name}.npy"
+        self._require_sha(rel)
+        return self._load(rel)
+
+    def _chunk_arrays(self, i, j):
+        lo, hi = self._chunk_slice(i, j)
+        src, dst, eids = self._src[lo:hi], self._dst[lo:hi], self._eids[lo:hi]
+        k = j * self.num_intervals + i
+        if not self._chunk_ok[k]:
+            h = hashlib.sha256()
+            for a in (src, dst, eids):
+                h.update(memoryview(a).cast("B"))
+            if h.digest() != self._chunk_sha[k].tobytes():
+                raise StoreError(
+                    f"{self.path}: chunk ({i}, {j}) failed its sha256 check: edge slots "
+                    f"[{lo}, {hi}) of src.npy, dst.npy or eids.npy were changed on disk"
+                )
+            self._chunk_ok[k] = True
+        return src, dst, eids
+
+    def _load(self, rel: str) -> np.ndarray:
+        try:
+            return np.load(self.path / rel, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise StoreError(f"{self.path / rel}: cannot be read as .npy ({e})") from e
+
+    def _require_sha(self, rel: str) -> None:
+        if not self._file_ok[rel]:
+            _check_sha(self.path, self.manifest, rel)
+            self._file_ok[rel] = True
+
+    @property
+    def ordering_method(self) -> str:
+        return self.manifest["ordering"]
+
+    def _check_offsets(self) -> None:
+        off = np.asarray(self._offsets)
+        if off[0] != 0 or off[-1] != self.num_edges or np.any(np.diff(off) < 0):
+            raise StoreError(f"{self.path / 'offsets.npy'}: chunk offsets must rise from 0 to "
+                             f"num_edges={self.num_edges}")
+
+    def __repr__(self) -> str:
+        return (f"ChunkStore({str(self.path)!r}, num_nodes={self.num_nodes}, "
+                f"num_edges={self.num_edges}, num_intervals={self.num_intervals}, "
+                f"ordering={self.manifest['ordering']!r}, vertex_arrays={self.vertex_arrays})")
+
+    # ------------------------------------------------------------------ writing
+    @classmethod
+    def write(cls, path, grid: ChunkGrid, *, vertex_arrays=None, overwrite: bool = False,
+              progress: bool = True) -> "ChunkStore":
+        """Write an in-memory :class:`~partition.ChunkGrid` (and vertex arrays) to ``path``.
+
+        ``vertex_arrays``: mapping name -> data in *original* vertex order, either an array
+        [N, ...] (numpy, memmap or CPU tensor) or an iterable of row blocks / a callable
+        returning one; rows are permuted to new-id order as they are written.
+        ``overwrite`` replaces an existing store (only a chunk store, never another directory).
+        Returns the store opened with ``verify="lazy"`` (it was just hashed while writing).
+        """
+        if not isinstance(grid, ChunkGrid):
+            raise TypeError(f"grid must be a partition.ChunkGrid (got {type(grid).__name__}); "
+                            f"for edge streams use ChunkStore.write_from_blocks")
+        with _Writer(path, overwrite) as w:
+            e, idx = grid.num_edges, grid.index_dtype
+            arrays = {name: w.create(f"{name}.npy", (e,), dtype)
+                      for name, dtype in (("src", idx), ("dst", idx), ("eids", np.int64))}
+            for name, source in (("src", grid._src), ("dst", grid._dst), ("eids", grid._eids)):
+                arrays[name][:] = source
+            w.finish_edges(arrays, grid._offsets, progress)
+            w.finish(grid.num_nodes, grid.bounds, grid.ordering, vertex_arrays, progress)
+        return cls.open(path, verify="lazy")
+
+    @classmethod
+    def write_from_blocks(cls, path, edge_blocks, num_nodes: int, *,
+                          num_intervals: int | None = None, memory_budget=None,
+                          cost: CostModel | None = None, ordering: Ordering | None = None,
+                          vertex_arrays=None, overwrite: bool = False, block_size: int = 1 << 20,
+                          progress: bool = True) -> "ChunkStore":
+        """Write a store from edge blocks without holding the edge list in memory.
+
+        ``edge_blocks`` yields ``(src, dst)`` pairs of 1-D integer arrays (original vertex ids);
+        edge ids are positions in the concatenation of the blocks. It is either
+
+        - a callable returning a fresh iterator (e.g. a generator function with its arguments
+          bound): it is run once per pass over the edges and must yield the same edges each
+          time (checked: a different stream is refused), or
+        - a one-shot iterable (a generator): its blocks are spilled once to temporary files
+          next to the store (16 bytes per edge), and the passes read the spill.
+
+        Passes: one to check ids and count edges, one more per P tried with ``memory_budget``
+        (as in :func:`partition.grid`: budget + :class:`CostModel`), then one that writes each
+        edge straight into its slot of the memory-mapped ``src/dst/eids.npy``. Memory: O(N)
+        for the ordering, O(P**2) for chunk counts, O(block) for one block.
+
+        ``ordering``: ``None`` (user ids) or an :class:`~partition.Ordering` computed beforehand
+        (orderings need the whole adjacency, so none is computed from a stream). Exactly one of
+        ``num_intervals`` / ``memory_budget`` may be given (neither: P = 1). ``block_size``
+        is the number of edges per block read back from a spill. Returns the store opened
+        with ``verify="lazy"``.
+        """
+        num_nodes = check_count(num_nodes, "num_nodes")
+        if num_intervals is not None and memory_budget is not None:
+            raise ValueError(f"give num_intervals ({num_intervals}) or memory_budget "
+                             f"({memory_budget!r}), not both")
+        if memory_budget is not None and not isinstance(cost, CostModel):
+            raise ValueError("memory_budget needs a cost model: pass cost=CostModel(...)")
+        if memory_budget is None and cost is not None:
+            raise ValueError("cost is only used to choose P from memory_budget; pass "
+                             "memory_budget too, or leave cost out")
+        if ordering is None:
+            ordering = Ordering.identity(num_nodes)
+        elif not isinstance(ordering, Ordering):
+            raise TypeError(
+                f"ordering must be None or a partition.Ordering (got {type(ordering).__name__} "
+                f"{ordering!r}); compute one with partition.reorder(src, dst, num_nodes, "
+                f"method=...) first: orderings need the whole adjacency, not a stream")
+        elif ordering.num_nodes != num_nodes:
+            raise ValueError(f"ordering is for {ordering.num_nodes} nodes but num_nodes is "
+                             f"{num_nodes}")
+        block_size = check_count(block_size, "block_size", minimum=1)
+        if num_intervals is not None:
+            num_intervals = check_count(num_intervals, "num_intervals", minimum=1)
+        budget = None if memory_budget is None else parse_bytes(memory_budget)
+
+        with _Writer(path, overwrite) as w:
+            blocks, num_edges = _replayable(edge_blocks, num_nodes, w.tmp, block_size, progress)
+            inv = ordering.inv
+            counts_for: dict[int, np.ndarray] = {}
+
+            def counts_at(p: int) -> np.ndarray:
+                if p not in counts_for:
+                    bounds = interval_bounds(num_nodes, p, ordering)
+                    counts = np.zeros(p * p, dtype=np.int64)
+                    for s, d, _ in blocks("counting edges per chunk", p):
+                        key = interval_of(inv[d], bounds) * p + interval_of(inv[s], bounds)
+                        uk, uc = np.unique(key, return_counts=True)
+                        counts[uk] += uc
+                    counts_for[p] = counts
+                return counts_for[p]
+
+            if budget is not None:
+                def peak_at(p: int) -> int:
+                    bounds = interval_bounds(num_nodes, p, ordering)
+                    return cost.peak(p, int(np.diff(bounds).max()), int(counts_at(p).max()))
+
+                p = search_num_intervals(num_nodes, num_edges, budget, cost, peak_at)
+            else:
+                p = 1 if num_intervals is None else num_intervals
+            bounds = interval_bounds(num_nodes, p, ordering)
+            offsets = np.zeros(p * p + 1, dtype=np.int64)
+            np.cumsum(counts_at(p), out=offsets[1:])
+            idx = index_dtype_for(bounds)
+            arrays = {name: w.create(f"{name}.npy", (num_edges,), dtype)
+                      for name, dtype in (("src", idx), ("dst", idx), ("eids", np.int64))}
+            _scatter_edges(blocks, arrays, offsets, bounds, inv)
+            w.drop_spill()
+            w.finish_edges(arrays, offsets, progress)
+            w.finish(num_nodes, bounds, ordering, vertex_arrays, progress)
+        return cls.open(path, verify="lazy")
+
+
+# ---------------------------------------------------------------------- writing helpers
+def _replayable(edge_blocks, num_nodes: int, tmp: Path, block_size: int, progress: bool):
+    """``(blocks, E)``: ``blocks(desc, p)`` replays the validated edge stream as
+    ``(src, dst, first_edge_id)`` triples; ``E`` counted in a first, checking pass."""
+    if callable(edge_blocks):
+        factory = edge_blocks
+    elif isinstance(edge_blocks, (list, tuple)):
+        factory = lambda: iter(edge_blocks)  # noqa: E731  (re-iterable as it is)
+    else:
+        factory = None
+
+    def checked(iterator, desc: str, expected: int | None):
+        offset = 0
+        with _progress(progress, desc=desc, total=expected, unit="edge", unit_scale=True) as bar:
+            for n_block, block in enumerate(iterator):
+                try:
+                    s, d = block
+                except (TypeError, ValueError) as e:
+                    raise TypeError(f"edge block {n_block} must be a (src, dst) pair of arrays "
+                                    f"(got {type(block).__name__})") from e
+                s, d, _ = as_edges(s, d, num_nodes, offset=offset)
+                yield s, d, offset
+                offset += s.shape[0]
+                bar.update(s.shape[0])
+        if expected is not None and offset != expected:
+            raise ValueError(f"the edge stream yielded {offset} edges on a later pass but "
+                             f"{expected} on the first; edge_blocks() must be deterministic")
+
+    if factory is not None:
+        num_edges = sum(s.shape[0] for s, _, _ in checked(factory(), "checking edges", None))
+
+        def blocks(desc, p=None):
+            return checked(factory(), f"{desc} (P={p})" if p else desc, num_edges)
+        return blocks, num_edges
+
+    spill = {name: tmp / f".spill-{name}.bin" for name in ("src", "dst")}
+    num_edges = 0
+    with open(spill["src"], "wb") as fs, open(spill["dst"], "wb") as fd:
+        for s, d, _ in checked(iter(edge_blocks), "spilling edges", None):
+            fs.write(s.tobytes())
+            fd.write(d.tobytes())
+            num_edges += s.shape[0]
+
+    def blocks(desc, p=None):
+        if num_edges == 0:
+            return
+        src = np.memmap(spill["src"], dtype=np.int64, mode="r")
+        dst = np.memmap(spill["dst"], dtype=np.int64, mode="r")
+        with _progress(progress, desc=f"{desc} (P={p})" if p else desc, total=num_edges,
+                       unit="edge", unit_scale=True) as bar:
+            for lo in range(0, num_edges, block_size):
+                hi = min(lo + block_size, num_edges)
+                yield np.asarray(src[lo:hi]), np.asarray(dst[lo:hi]), lo
+                bar.update(hi - lo)
+    return blocks, num_edges
+
+
+def _scatter_edges(blocks, arrays, offsets, bounds, inv) -> None:
+    """Write every edge into the next free slot of its chunk (stream order inside a chunk)."""
+    p = bounds.shape[0] - 1
+    cursor = offsets[:-1].copy()
+    for s, d, first in blocks("writing chunks", p):
+        ns, nd = inv[s], inv[d]
+        iv_s, iv_d = interval_of(ns, bounds), interval_of(nd, bounds)
+        key = iv_d * p + iv_s
+        order = np.argsort(key, kind="stable")
+        ks = key[order]
+        uk, start, uc = np.unique(ks, return_index=True, return_counts=True)
+        end = cursor[uk] + uc
+        if np.any(end > offsets[uk + 1]):
+            raise ValueError("the edge stream yielded more edges for a chunk on the writing pass "
+                             "than on the counting pass; edge_blocks() must be deterministic")
+        # Slot of each edge: its chunk's cursor plus its rank among this block's edges of the chunk.
+        rank = np.arange(ks.shape[0]) - np.repeat(start, uc)
+        slot = np.repeat(cursor[uk], uc) + rank
+        cursor[uk] = end
+        arrays["src"][slot] = (ns - bounds[iv_s])[order]
+        arrays["dst"][slot] = (nd - bounds[iv_d])[order]
+        arrays["eids"][slot] = first + order
+    if not np.array_equal(cursor, offsets[1:]):
+        raise ValueError("the edge stream yielded fewer edges for some chunk on the writing pass "
+                         "than on the counting pass; edge_blocks() must be deterministic")
+
+
+class _Writer:
+    """A store being written in a hidden temporary directory, renamed into place by finish()."""
+
+    def __init__(self, path, overwrite: bool):
+        self.path = Path(path)
+        if not self.path.parent.is_dir():
+            raise FileNotFoundError(f"cannot write a chunk store to {self.path}: the parent "
+                                    f"directory {self.path.parent} does not exist")
+        if self.path.exists() or self.path.is_symlink():
+            if not overwrite:
+                raise FileExistsError(f"{self.path} already exists; pass overwrite=True to "
+                                      f"replace a chunk store there")
+            _check_replaceable(self.path)
+        self.overwrite = overwrite
+        self.tmp = self.path.parent / f".{self.path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        self.files: dict[str, dict] = {}
+        self.manifest: dict | None = None
+
+    def __enter__(self):
+        self.tmp.mkdir()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return False
+        self._commit()
+        return False
+
+    def create(self, rel: str, shape, dtype) -> np.memmap:
+        target = self.tmp / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return np.lib.format.open_memmap(target, mode="w+", dtype=dtype, shape=tuple(shape))
+
+    def save(self, rel: str, array: np.ndarray) -> None:
+        mm = self.create(rel, array.shape, array.dtype)
+        mm[...] = array
+        self.close(rel, mm)
+
+    def close(self, rel: str, mm: np.memmap, sha: str | None = None) -> None:
+        mm.flush()
+        shape, dtype = list(mm.shape), mm.dtype.str
+        del mm
+        target = self.tmp / rel
+        _fsync(target)
+        self.files[rel] = {"shape": shape, "dtype": dtype, "bytes": target.stat().st_size,
+                           "sha256": sha or _sha256_file(target)}
+
+    def drop_spill(self) -> None:
+        for spill in self.tmp.glob(".spill-*.bin"):
+            spill.unlink()
+
+    def finish_edges(self, arrays, offsets: np.ndarray, progress: bool) -> None:
+        """Hash the edge files and every chunk in one read pass; write offsets and chunk hashes."""
+        for mm in arrays.values():
+            mm.flush()
+        p2 = offsets.shape[0] - 1
+        chunk_sha = np.zeros((p2, 32), dtype=np.uint8)
+        file_sha = {}
+        for name in arrays:
+            h = hashlib.sha256()
+            with open(self.tmp / f"{name}.npy", "rb") as f:
+                h.update(f.read(_npy_data_offset(f)))
+            file_sha[name] = h
+        empty = np.frombuffer(hashlib.sha256().digest(), dtype=np.uint8)
+        total = int(sum(mm.nbytes for mm in arrays.values()))
+        with _progress(progress, desc="hashing chunks", total=total, unit="B",
+                       unit_scale=True) as bar:
+            for k in range(p2):
+                lo, hi = int(offsets[k]), int(offsets[k + 1])
+                if lo == hi:
+                    chunk_sha[k] = empty
+                    continue
+                h = hashlib.sha256()
+                for name, mm in arrays.items():
+                    view = memoryview(mm[lo:hi]).cast("B")
+                    h.update(view)
+                    file_sha[name].update(view)
+                    bar.update(view.nbytes)
+                chunk_sha[k] = np.frombuffer(h.digest(), dtype=np.uint8)
+        for name in list(arrays):
+            self.close(f"{name}.npy", arrays.pop(name), file_sha[name].hexdigest())
+        self.save("offsets.npy", offsets.astype(np.int64))
+        self.save("chunk_sha256.npy", chunk_sha)
+
+    def finish(self, num_nodes: int, bounds: np.ndarray, ordering: Ordering, vertex_arrays,
+               progress: bool) -> None:
+        """Write perm and vertex arrays and prepare the manifest (committed on context exit)."""
+        self.save("perm.npy", ordering.perm)
+        names = []
+        for name, data in (vertex_arrays or {}).items():
+            if not isinstance(name, str) or not _NAME.match(name):
+                raise ValueError(f"vertex array name {name!r} must be letters, digits, '_', '.' "
+                                 f"or '-' (it becomes a file name)")
+            self._write_vertex_array(name, data, ordering, progress)
+            names.append(name)
+        p = bounds.shape[0] - 1
+        num_edges = self.files["eids.npy"]["shape"][0]
+        self.manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "num_nodes": int(num_nodes),
+            "num_edges": int(num_edges),
+            "num_intervals": int(p),
+            "bounds": [int(b) for b in bounds],
+            "index_dtype": self.files["src.npy"]["dtype"],
+            "ordering": ordering.method,
+            "ordering_parts": None if ordering.bounds is None
+            else [int(b) for b in ordering.bounds],
+            "vertex_arrays": names,
+            "files": self.files,
+        }
+
+    def _write_vertex_array(self, name: str, data, ordering: Ordering, progress: bool) -> None:
+        n = ordering.num_nodes
+        rel = f"vertex/{name}.npy"
+        if hasattr(data, "detach") and hasattr(data, "cpu"):
+            data = data.detach().cpu().numpy()
+        if hasattr(data, "shape") and hasattr(data, "dtype"):
+            data = np.asarray(data) if not isinstance(data, np.ndarray) else data
+            if data.ndim == 0 or data.shape[0] != n:
+                raise ValueError(f"vertex array {name!r} must have {n} rows [N, ...] "
+                                 f"(got shape {data.shape})")
+            _check_vertex_dtype(name, data.dtype)
+            mm = self.create(rel, data.shape, data.dtype)
+            rows = max(1, _HASH_BLOCK // max(1, data[:1].nbytes))
+            with _progress(progress, desc=f"writing {name}", total=n, unit="row") as bar:
+                for lo in range(0, n, rows):
+                    hi = min(lo + rows, n)
+                    mm[lo:hi] = data[ordering.perm[lo:hi]]  # new row k = original row perm[k]
+                    bar.update(hi - lo)
+            self.close(rel, mm)
+            return
+        iterator = data() if callable(data) else iter(data)
+        mm, lo = None, 0
+        with _progress(progress, desc=f"writing {name}", total=n, unit="row") as bar:
+            for block in iterator:
+                block = np.asarray(block.detach().cpu().numpy() if hasattr(block, "detach")
+                                   else block)
+                if mm is None:
+                    if block.ndim == 0:
+                        raise ValueError(f"vertex array {name!r}: blocks must be [rows, ...] "
+                                         f"arrays (got a scalar)")
+                    _check_vertex_dtype(name, block.dtype)
+                    mm = self.create(rel, (n,) + block.shape[1:], block.dtype)
+                if block.shape[1:] != mm.shape[1:] or block.dtype != mm.dtype:
+                    raise ValueError(
+                        f"vertex array {name!r}: block at row {lo} has shape {block.shape} and "
+                        f"dtype {block.dtype}; expected [rows, {', '.join(map(str, mm.shape[1:]))}] "
+                        f"{mm.dtype} like the first block")
+                hi = lo + block.shape[0]
+                if hi > n:
+                    raise ValueError(f"vertex array {name!r}: blocks hold more than "
+                                     f"num_nodes={n} rows")
+                mm[ordering.inv[lo:hi]] = block  # original row v goes to new row inv[v]
+                bar.update(hi - lo)
+                lo = hi
+        if mm is None or lo != n:
+            raise ValueError(f"vertex array {name!r}: blocks hold {lo} rows; expected "
+                             f"num_nodes={n}")
+        self.close(rel, mm)
+
+    def _commit(self) -> None:
+        if self.manifest is None:
+            raise RuntimeError("internal: store finished without a manifest")
+        body = dict(self.manifest)
+        body["manifest_sha256"] = _manifest_digest(self.manifest)
+        tmp_manifest = self.tmp / (MANIFEST + ".partial")
+        with open(tmp_manifest, "w") as f:
+            json.dump(body, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_manifest, self.tmp / MANIFEST)
+        if (self.tmp / "vertex").is_dir():
+            _fsync(self.tmp / "vertex")
+        _fsync(self.tmp)
+        try:
+            if self.path.exists() or self.path.is_symlink():
+                _check_replaceable(self.path)
+                old = self.path.parent / f".{self.path.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+                os.rename(self.path, old)
+                os.rename(self.tmp, self.path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(self.tmp, self.path)
+        except OSError as e:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise OSError(f"could not move the finished store into {self.path}: {e}") from e
+        _fsync(self.path.parent)
+
+
+def _check_vertex_dtype(name: str, dtype: np.dtype) -> None:
+    if dtype.hasobject or dtype.kind not in "biufc":
+        raise TypeError(f"vertex array {name!r} must be numeric (got dtype {dtype})")
+
+
+def _check_replaceable(path: Path) -> None:
+    """Refuse to overwrite anything but a chunk store (or an empty directory)."""
+    if path.is_dir() and not path.is_symlink():
+        if not any(path.iterdir()):
+            return
+        try:
+            with open(path / MANIFEST) as f:
+                if json.load(f).get("format") == FORMAT:
+                    return
+        except (OSError, ValueError, AttributeError):
+            pass
+    raise FileExistsError(f"refusing to overwrite {path}: it is not a chunk store (no valid "
+                          f"{MANIFEST} with format {FORMAT!r}); remove it yourself if intended")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- reading helpers
+def _manifest_digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _check_sha(path: Path, manifest: dict, rel: str) -> None:
+    want = manifest["files"][rel]["sha256"]
+    got = _sha256_file(path / rel)
+    if got != want:
+        raise StoreError(f"{path / rel}: sha256 mismatch, the file was changed after it was "
+                         f"written (manifest {want[:16]}..., file {got[:16]}...)")
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _npy_data_offset(f) -> int:
+    f.seek(0)
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        np.lib.format.read_array_header_1_0(f)
+    elif version == (2, 0):
+        np.lib.format.read_array_header_2_0(f)
+    else:
+        raise ValueError(f"unsupported .npy version {version}")
+    offset = f.tell()
+    f.seek(0)
+    return offset
+
+
+def _read_manifest(path: Path) -> dict:
+    if not path.exists():
+        raise StoreError(f"no chunk store at {path}: the directory does not exist")
+    if not path.is_dir():
+        raise StoreError(f"no chunk store at {path}: not a directory")
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise StoreError(f"incomplete store: {path} has no {MANIFEST}; its write never "
+                         f"finished (crashed or still running), or it is not a chunk store")
+    try:
+        with open(mpath, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StoreError(f"{mpath}: not valid JSON ({e}); the manifest is damaged") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise StoreError(f"{mpath}: not a chunk store manifest (expected format {FORMAT!r})")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise StoreError(f"{mpath}: format version {manifest.get('format_version')!r} is not "
+                         f"supported; this reader reads version {FORMAT_VERSION}")
+    if manifest.get("manifest_sha256") != _manifest_digest(manifest):
+        raise StoreError(f"{mpath}: the manifest's own checksum does not match its content; "
+                         f"it was edited or damaged")
+    _check_manifest(mpath, manifest)
+    return manifest
+
+
+def _check_manifest(mpath: Path, m: dict) -> None:
+    """The manifest must describe a self-consistent grid (its files are checked afterwards)."""
+    def bad(msg):
+        raise StoreError(f"{mpath}: {msg}")
+
+    for key in ("num_nodes", "num_edges", "num_intervals"):
+        if not isinstance(m.get(key), int) or isinstance(m.get(key), bool) or m[key] < 0:
+            bad(f"{key} must be an int >= 0 (got {m.get(key)!r})")
+    n, e, p = m["num_nodes"], m["num_edges"], m["num_intervals"]
+    if p < 1:
+        bad(f"num_intervals must be >= 1 (got {p})")
+    bounds = m.get("bounds")
+    if (not isinstance(bounds, list) or len(bounds) != p + 1
+            or not all(isinstance(b, int) for b in bounds)
+            or bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in zip(bounds, bounds[1:]))):
+        bad(f"bounds must be {p + 1} non-decreasing ints from 0 to num_nodes={n} for "
+            f"num_intervals={p} (got {bounds if not isinstance(bounds, list) or len(bounds) < 12 else str(bounds[:12]) + '...'})")
+    try:
+        idx = np.dtype(m.get("index_dtype"))
+    except TypeError as e:
+        raise StoreError(f"{mpath}: index_dtype {m.get('index_dtype')!r} is not a dtype") from e
+    if idx not in (np.dtype(np.int32), np.dtype(np.int64)):
+        bad(f"index_dtype must be int32 or int64 (got {idx})")
+    names = m.get("vertex_arrays")
+    if not isinstance(names, list) or not all(isinstance(v, str) and _NAME.match(v) for v in names):
+        bad(f"vertex_arrays must be a list of plain names (got {names!r})")
+    parts = m.get("ordering_parts")
+    if parts is not None and (not isinstance(parts, list) or len(parts) < 2
+                              or parts[0] != 0 or parts[-1] != n):
+        bad(f"ordering_parts must be null or bounds from 0 to {n} (got {parts!r})")
+    expected = {
+        "offsets.npy": ([p * p + 1], np.dtype(np.int64)),
+        "chunk_sha256.npy": ([p * p, 32], np.dtype(np.uint8)),
+        "src.npy": ([e], idx), "dst.npy": ([e], idx), "eids.npy": ([e], np.dtype(np.int64)),
+        "perm.npy": ([n], np.dtype(np.int64)),
+    }
+    files = m.get("files")
+    if not isinstance(files, dict):
+        bad("files must be an object")
+    for v in names:
+        if f"vertex/{v}.npy" not in files:
+            bad(f"vertex array {v!r} has no entry vertex/{v}.npy in files")
+    unexpected = set(files) - set(expected) - {f"vertex/{v}.npy" for v in names}
+    if unexpected:
+        bad(f"files lists unknown entries {sorted(unexpected)}")
+    for rel, (shape, dtype) in expected.items():
+        if rel not in files:
+            bad(f"files has no entry for {rel}")
+        info = files[rel]
+        if not isinstance(info, dict) or info.get("shape") != shape:
+            bad(f"{rel} is listed with shape {info.get('shape') if isinstance(info, dict) else info!r}; "
+                f"N={n}, E={e}, P={p} require {shape}")
+        try:
+            listed = np.dtype(info.get("dtype"))
+        except TypeError as err:
+            raise StoreError(f"{mpath}: {rel} has an invalid dtype {info.get('dtype')!r}") from err
+        if listed != dtype:
+            bad(f"{rel} is listed with dtype {listed}; this format stores it as {dtype}")
+    for v in names:
+        info = files[f"vertex/{v}.npy"]
+        shape = info.get("shape") if isinstance(info, dict) else None
+        try:
+            np.dtype(info.get("dtype"))
+        except (TypeError, AttributeError) as err:
+            raise StoreError(f"{mpath}: vertex/{v}.npy has an invalid dtype entry") from err
+        if not isinstance(shape, list) or not shape or shape[0] != n:
+            bad(f"vertex/{v}.npy is listed with shape {shape!r}; its first dimension must be "
+                f"num_nodes={n}")
+    for rel, info in files.items():
+        if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or not isinstance(info.get("sha256"), str):
+            bad(f"{rel} needs an int 'bytes' and a str 'sha256' entry")
+
+
+def _check_files(path: Path, m: dict) -> None:
+    """Every listed file exists with the recorded size, header, shape and dtype."""
+    for rel, info in m["files"].items():
+        fpath = path / rel
+        if not fpath.is_file():
+            raise StoreError(f"{fpath}: missing (the manifest lists it); the store is damaged")
+        size = fpath.stat().st_size
+        if size != info["bytes"]:
+            what = "truncated" if size < info["bytes"] else "longer than written"
+            raise StoreError(f"{fpath}: {what}: {size} bytes on disk, the manifest records "
+                             f"{info['bytes']}")
+        try:
+            with open(fpath, "rb") as f:
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+                elif version == (2, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+                else:
+                    raise ValueError(f"unsupported .npy version {version}")
+                data_offset = f.tell()
+        except ValueError as e:
+            raise StoreError(f"{fpath}: damaged .npy header ({e})") from e
+        if list(shape) != info["shape"] or dtype != np.dtype(info["dtype"]) or fortran:
+            raise StoreError(
+                f"{fpath}: the file holds shape {list(shape)} dtype {dtype}"
+                f"{' (Fortran order)' if fortran else ''} but the manifest records shape "
+                f"{info['shape']} dtype {np.dtype(info['dtype'])}")
+        want = data_offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if size != want:
+            raise StoreError(f"{fpath}: {size} bytes on disk but its header needs {want}; "
+                             f"the file is truncated or padded")
