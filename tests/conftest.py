@@ -1,0 +1,58 @@
+"""Suite-wide test setup: CUDA simulator switch, shared datasets, the ``dgl`` marker, seeds."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+# numba reads NUMBA_ENABLE_CUDASIM once, at its first import, so this must run before any test
+# module imports numba: without a GPU, numba.cuda kernels then run in the CUDA simulator.
+if not torch.cuda.is_available():
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+# Without it, the first `import dgl` writes a backend choice into ~/.dgl/config.json.
+os.environ.setdefault("DGLBACKEND", "pytorch")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def shared_datasets_dir() -> Path:
+    """Where the shared real datasets live: ``$NGRA_DATA_DIR``, else ``<repo>/../shared/datasets``."""
+    override = os.environ.get("NGRA_DATA_DIR")
+    return Path(override) if override else REPO_ROOT.parent / "shared" / "datasets"
+
+
+@pytest.fixture(scope="session")
+def shared_datasets() -> Path:
+    """The shared datasets folder; the test is skipped, saying where it looked, when it is absent."""
+    path = shared_datasets_dir()
+    if not path.is_dir():
+        pytest.skip(f"shared datasets not found at {path}; put shared/ next to the repository "
+                    "or set NGRA_DATA_DIR to the datasets folder")
+    return path
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """A fixed-seed numpy Generator; also seeds torch, numpy's global RNG and `random` with 0."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    return np.random.default_rng(0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # find_spec, not import: importing dgl takes seconds and fails loudly in a broken env, which
+    # the DGL environment's run should report as an error rather than as a skip.
+    if importlib.util.find_spec("dgl") is not None:
+        return
+    skip = pytest.mark.skip(reason="dgl is not installed here; DGL tests run in .venv-dgl "
+                                   "(`make test-dgl`)")
+    for item in items:
+        if item.get_closest_marker("dgl") is not None:
+            item.add_marker(skip)
