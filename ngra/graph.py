@@ -140,7 +140,7 @@ class Graph:
         most). With ``return_eids=True`` also returns those surviving ids [E'] int64
         (ascending).
         """
-        eids = _first_occurrences(self._src, self._dst)
+        eids = _first_occurrences(self._src, self._dst, self._num_nodes)
         g = Graph._trusted(self._src[eids], self._dst[eids], self._num_nodes)
         return (g, eids) if return_eids else g
 
@@ -154,7 +154,7 @@ class Graph:
         """
         src = torch.cat([self._src, self._dst])
         dst = torch.cat([self._dst, self._src])
-        eids = _first_occurrences(src, dst)
+        eids = _first_occurrences(src, dst, self._num_nodes)
         return Graph._trusted(src[eids], dst[eids], self._num_nodes)
 
     def to(self, device) -> "Graph":
@@ -361,16 +361,25 @@ def _locate(src: torch.Tensor, dst: torch.Tensor, value: int) -> str:
     return "found in the edge list"
 
 
-def _first_occurrences(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+def _first_occurrences(src: torch.Tensor, dst: torch.Tensor, num_nodes: int) -> torch.Tensor:
     """Ascending ids of the edges that are the first of their (src, dst) pair, [E'] int64."""
     if src.numel() == 0:
         return torch.zeros(0, dtype=torch.int64, device=src.device)
-    # Lexicographic (src, dst) order from two stable sorts; no src * N + dst key, which could
-    # overflow int64 for N > 3e9.
-    order = torch.sort(dst, stable=True).indices
-    order = order[torch.sort(src[order], stable=True).indices]
-    s, d = src[order], dst[order]
-    first = torch.ones_like(s, dtype=torch.bool)
-    first[1:] = (s[1:] != s[:-1]) | (d[1:] != d[:-1])
-    # Within a run of equal keys the stable sort puts the lowest edge id first.
+    if num_nodes <= _MAX_KEYED_NODES:
+        # One stable sort of a packed (src, dst) key; within a run of equal keys the stable
+        # sort keeps the lowest edge id first.
+        key = src * num_nodes + dst
+        order = torch.sort(key, stable=True).indices
+        key = key[order]
+        first = torch.ones_like(key, dtype=torch.bool)
+        first[1:] = key[1:] != key[:-1]
+    else:  # num_nodes**2 would overflow int64: lexicographic order from two stable sorts
+        order = torch.sort(dst, stable=True).indices
+        order = order[torch.sort(src[order], stable=True).indices]
+        s, d = src[order], dst[order]
+        first = torch.ones_like(s, dtype=torch.bool)
+        first[1:] = (s[1:] != s[:-1]) | (d[1:] != d[:-1])
     return torch.sort(order[first]).values
+
+
+_MAX_KEYED_NODES = 3_037_000_499  # floor(sqrt(2**63 - 1))
