@@ -9,9 +9,9 @@
   (:class:`GridStats`) of several orderings.
 """
 
-from .grid import (Chunk, ChunkGrid, ChunkSource, CostModel, GridStats, compare_orderings,
+from .chunk_grid import (Chunk, ChunkGrid, ChunkSource, CostModel, GridStats, compare_orderings,
                    format_stats_table, grid)
-from .reorder import Ordering, reorder
+from .ordering import Ordering, reorder
 from .store import ChunkStore, StoreError
 from .units import format_bytes, parse_bytes
 

@@ -39,9 +39,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ._edges import as_edges, check_count
-from .grid import (Chunk, ChunkGrid, ChunkSource, CostModel, index_dtype_for, interval_bounds,
+from .chunk_grid import (Chunk, ChunkGrid, ChunkSource, CostModel, index_dtype_for, interval_bounds,
                    interval_of, search_num_intervals)
-from .reorder import Ordering
+from .ordering import Ordering
 from .units import format_bytes, parse_bytes
 
 __all__ = ["ChunkStore", "StoreError", "FORMAT", "FORMAT_VERSION"]

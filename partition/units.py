@@ -52,8 +52,10 @@ def parse_bytes(value) -> int:
         if unit is not None and unit in {"k", "m", "g", "t", "p"}:
             hint = f" ('{m.group(3)}' is ambiguous: write '{m.group(3).upper()}B' or '{m.group(3).upper()}iB')"
         raise ValueError(f"cannot parse memory size {value!r}{hint}; expected {_EXAMPLE}")
-    number = float(m.group(1)) * (10.0 ** int(m.group(2)) if m.group(2) else 1.0)
-    scaled = number * _UNITS[unit]
+    try:
+        scaled = float(f"{m.group(1)}e{m.group(2) or 0}") * _UNITS[unit]
+    except OverflowError:
+        scaled = math.inf
     if not math.isfinite(scaled):
         raise ValueError(f"memory size {value!r} is too large to represent; expected {_EXAMPLE}")
     if m.group(2) is None and "." not in m.group(1):

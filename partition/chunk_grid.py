@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ._edges import as_edges, check_count
-from .reorder import METHODS, Ordering, reorder
+from .ordering import METHODS, Ordering, reorder
 from .units import format_bytes, parse_bytes
 
 __all__ = ["CostModel", "Chunk", "ChunkGrid", "GridStats", "grid", "compare_orderings",
@@ -330,10 +330,13 @@ def grid(src, dst, num_nodes: int, *, num_intervals: int | None = None, memory_b
 
     - ``num_intervals``: P itself (P > num_nodes is allowed; trailing intervals are then empty);
     - ``memory_budget`` (int bytes or a string like ``"512MiB"``, see ``parse_bytes``) with
-      ``cost`` (a :class:`CostModel`): the smallest P whose measured ``cost.peak`` fits, found
-      by a lower bound (no P below the first with ``cost.lower_bound(P) <= budget`` can fit),
-      then doubling and bisection over exactly measured layouts (bisection assumes the peak
-      falls with P, which holds except for rare skewed layouts; the returned P always fits);
+      ``cost`` (a :class:`CostModel`): the smallest P whose measured ``cost.peak`` fits. The
+      search starts at a lower bound (no P whose even-split ``cost.lower_bound`` exceeds the
+      budget can fit), doubles P while the measured peak falls, and bisects; when the peak
+      rises again (the ``8 P**2`` table) it ternary-searches the minimum in between. It
+      measures O(log N) real layouts and assumes the peak falls, then rises, with P: on a
+      layout that breaks this it may return a P above the smallest, never one that does not
+      fit;
     - neither: P = 1.
 
     ``ordering`` is ``None`` (the user's ids), an :class:`Ordering`, or a method name of
@@ -494,20 +497,44 @@ def search_num_intervals(num_nodes: int, num_edges: int, budget: int, cost: Cost
             measured[p] = peak_at(p)
         return measured[p] <= budget
 
+    # peak(P) first falls (smaller intervals and chunks), then rises (the 8 P^2 table): double P
+    # while it falls; a fit ends the search on the falling side, a rise brackets the minimum.
+    tried = [lo]  # doubling points
     failed, p = lo - 1, lo
     while not fits(p):
-        if p == p_max:
-            best = min(measured, key=measured.get)
-            fail(f"the smallest measured peak is {format_bytes(measured[best])} "
-                 f"({measured[best]} bytes) at P={best}")
+        rose = len(tried) > 1 and measured[p] >= measured[tried[-2]]
+        if rose or p == p_max:
+            # Rise at p_k: the minimum lies in [p_(k-2), p_k]; still falling at p_max: in
+            # [p_(k-1), p_max].
+            back = 3 if rose else 2
+            left = tried[-back] if len(tried) >= back else lo
+            q = _argmin_unimodal(lambda r: (fits(r), measured[r])[1], left, p)
+            if measured[q] > budget:
+                best = min(measured, key=measured.get)
+                fail(f"the smallest measured peak is {format_bytes(measured[best])} "
+                     f"({measured[best]} bytes) at P={best}")
+            failed, p = left, q
+            break
         failed, p = p, min(2 * p, p_max)
-    while p - failed > 1:
+        tried.append(p)
+    while p - failed > 1:  # smallest fitting P on the falling side
         mid = (failed + p) // 2
         if fits(mid):
             p = mid
         else:
             failed = mid
     return p
+
+
+def _argmin_unimodal(f: Callable[[int], int], lo: int, hi: int) -> int:
+    """Integer ternary search for the minimum of f on [lo, hi] (f assumed unimodal there)."""
+    while hi - lo > 2:
+        a, b = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if f(a) <= f(b):
+            hi = b
+        else:
+            lo = a
+    return min(range(lo, hi + 1), key=f)
 
 
 def compare_orderings(src, dst, num_nodes: int, *, num_intervals: int,

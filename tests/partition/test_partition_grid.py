@@ -1,0 +1,313 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from partition import ChunkGrid, CostModel, GridStats, Ordering, grid, reorder
+from partition.chunk_grid import TABLE_BYTES_PER_CHUNK
+from partition_testutil import edge_case_graphs, planted_partition, random_graph
+
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def graphs(draw, max_nodes=25, max_edges=60):
+    n = draw(st.integers(0, max_nodes))
+    e = draw(st.integers(0, max_edges)) if n else 0
+    ids = st.integers(0, max(n - 1, 0))
+    src = draw(st.lists(ids, min_size=e, max_size=e))
+    dst = draw(st.lists(ids, min_size=e, max_size=e))
+    return np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), n
+
+
+@st.composite
+def orderings(draw, n):
+    kind = draw(st.sampled_from(["none", "identity", "rcm", "random", "metis"]))
+    if kind == "none":
+        return None
+    if kind == "random":
+        return Ordering(draw(st.permutations(range(n))) if n else [], method="custom")
+    return kind
+
+
+def check_grid(g: ChunkGrid, src, dst, n):
+    """Every vertex in exactly one interval; every edge in exactly one chunk, in the right one."""
+    p = g.num_intervals
+    assert g.bounds.shape == (p + 1,) and g.bounds[0] == 0 and g.bounds[-1] == n
+    assert np.all(np.diff(g.bounds) >= 0)
+    seen = np.zeros(n, dtype=np.int64)
+    for i in range(p):
+        start, stop = g.interval(i)
+        seen[g.ordering.perm[start:stop]] += 1
+    assert np.all(seen == 1)
+
+    perm = g.ordering.perm
+    found = np.zeros(len(src), dtype=np.int64)
+    for c in g.chunks(skip_empty=False):
+        assert c.num_edges == g.counts[c.i, c.j]
+        assert c.src.dtype == g.index_dtype and c.eids.dtype == np.int64
+        if c.num_edges:
+            assert np.all((0 <= c.src) & (c.src < c.num_src))
+            assert np.all((0 <= c.dst) & (c.dst < c.num_dst))
+            assert np.all(np.diff(c.eids) > 0)  # original edge order inside a chunk
+        # Local ids map back to the original endpoints of each edge.
+        assert np.array_equal(perm[c.global_src()], src[c.eids])
+        assert np.array_equal(perm[c.global_dst()], dst[c.eids])
+        found[c.eids] += 1
+    assert np.all(found == 1)
+    assert g.counts.sum() == len(src) == g.num_edges
+
+
+@FAST
+@given(data=st.data(), graph=graphs(), p=st.integers(1, 40))
+def test_every_vertex_in_one_interval_every_edge_in_one_chunk(data, graph, p):
+    src, dst, n = graph
+    ordering = data.draw(orderings(n))
+    g = grid(src, dst, n, num_intervals=p, ordering=ordering)
+    assert g.num_intervals == p
+    check_grid(g, src, dst, n)
+
+
+@pytest.mark.parametrize("name, src, dst, n", edge_case_graphs(), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("p", [1, 2, 3, 9])
+def test_edge_case_graphs(name, src, dst, n, p):
+    src, dst = np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+    g = grid(src, dst, n, num_intervals=p)
+    check_grid(g, src, dst, n)
+
+
+def test_hand_made_grid():
+    # 4 vertices, 2 intervals {0,1} {2,3}; edges numbered by position.
+    src = [0, 2, 1, 3, 0, 2]
+    dst = [1, 3, 2, 0, 3, 2]
+    g = grid(src, dst, 4, num_intervals=2)
+    assert g.bounds.tolist() == [0, 2, 4]
+    assert g.counts.tolist() == [[1, 2], [1, 2]]
+    c = g.chunk(0, 1)  # sources {0,1} -> destinations {2,3}: edges 2 (1->2) and 4 (0->3)
+    assert c.eids.tolist() == [2, 4] and c.src.tolist() == [1, 0] and c.dst.tolist() == [0, 1]
+    assert (c.num_src, c.num_dst) == (2, 2)
+    assert repr(c) == "Chunk(i=0, j=1, src=[0, 2), dst=[2, 4), num_edges=2)"
+    assert g.chunk(1, 1).eids.tolist() == [1, 5]
+    assert [(c.i, c.j) for c in g.chunks("column")] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [(c.i, c.j) for c in g.chunks("row")] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert repr(g) == "ChunkGrid(num_nodes=4, num_edges=6, num_intervals=2, ordering='identity')"
+
+
+def test_empty_intervals_and_p_larger_than_n():
+    g = grid([0, 1, 2], [2, 0, 1], 3, num_intervals=7)
+    assert g.bounds.tolist() == [0, 0, 0, 1, 1, 2, 2, 3]
+    empties = [i for i in range(7) if g.interval(i)[0] == g.interval(i)[1]]
+    assert empties == [0, 1, 3, 5]
+    assert g.counts[empties].sum() == 0 and g.counts[:, empties].sum() == 0
+    assert [c.num_edges for c in g.chunks()] == [1, 1, 1]
+    assert len(list(g.chunks(skip_empty=False))) == 49
+
+
+def test_chunks_skip_empty_uses_counts():
+    src, dst = random_graph(50, 40, seed=4)
+    g = grid(src, dst, 50, num_intervals=10)
+    assert len(list(g.chunks())) == np.count_nonzero(g.counts)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("ordering", [None, "rcm", "metis"])
+def test_chunk_csr_matches_dense_reference(seed, ordering):
+    pytest.importorskip("pymetis")
+    src, dst = random_graph(40, 300, seed=seed)
+    g = grid(src, dst, 40, num_intervals=3, ordering=ordering)
+    eid_weight = np.arange(1, 301, dtype=np.float64)  # tells edges apart, incl. multi-edges
+    for c in g.chunks():
+        csr = c.csr()
+        assert csr is c.csr()  # built once
+        assert (csr.num_src, csr.num_dst, csr.num_edges) == (c.num_src, c.num_dst, c.num_edges)
+        assert csr.index_dtype == torch.int32
+        # Dense [num_dst, num_src] sum of original edge ids, from the CSR and from the chunk.
+        dense_csr = np.zeros((c.num_dst, c.num_src))
+        indptr, indices, eids = (t.numpy() for t in (csr.indptr, csr.indices, csr.eids))
+        for v in range(c.num_dst):
+            for k in range(indptr[v], indptr[v + 1]):
+                dense_csr[v, indices[k]] += eid_weight[c.eids[eids[k]]]
+        dense_ref = np.zeros((c.num_dst, c.num_src))
+        np.add.at(dense_ref, (c.dst, c.src), eid_weight[c.eids])
+        assert np.array_equal(dense_csr, dense_ref)
+
+
+def test_metis_ordering_parts_become_intervals():
+    pytest.importorskip("pymetis")
+    src, dst, n, _ = planted_partition(blocks=4, size=30, seed=2)
+    o = reorder(src, dst, n, method="metis", num_parts=4)
+    assert np.array_equal(grid(src, dst, n, num_intervals=4, ordering=o).bounds, o.bounds)
+    # Another P: an equal split of the METIS order (documented), not the parts.
+    assert grid(src, dst, n, num_intervals=3, ordering=o).bounds.tolist() == [0, 40, 80, 120]
+    g = grid(src, dst, n, num_intervals=4, ordering="metis")
+    assert g.ordering.method == "metis" and np.array_equal(g.bounds, o.bounds)
+    assert g.stats().edge_cut < grid(src, dst, n, num_intervals=4).stats().edge_cut
+
+
+def test_grid_stats_hand_made():
+    g = grid([0, 2, 1, 3, 0, 2], [1, 3, 2, 0, 3, 2], 4, num_intervals=2)
+    s = g.stats()
+    assert s == GridStats(method="identity", num_intervals=2, num_edges=6, edge_cut=3,
+                          cut_fraction=0.5, nonempty_chunks=4, density=1.0, max_chunk_edges=2,
+                          mean_chunk_edges=1.5, max_interval_size=2)
+    s = grid([0, 0], [0, 1], 4, num_intervals=4).stats()
+    assert (s.edge_cut, s.nonempty_chunks, s.density, s.mean_chunk_edges) == (1, 2, 2 / 16, 1.0)
+
+
+def test_grid_argument_errors():
+    src, dst = [0, 1], [1, 0]
+    with pytest.raises(ValueError, match="not both"):
+        grid(src, dst, 2, num_intervals=2, memory_budget="1MiB", cost=CostModel(1, 1))
+    with pytest.raises(ValueError, match="memory_budget needs a cost model"):
+        grid(src, dst, 2, memory_budget="1MiB")
+    with pytest.raises(ValueError, match="num_intervals must be >= 1"):
+        grid(src, dst, 2, num_intervals=0)
+    with pytest.raises(TypeError, match="num_intervals must be an int"):
+        grid(src, dst, 2, num_intervals=2.0)
+    with pytest.raises(ValueError, match="ordering is for 3 nodes but the graph has 2"):
+        grid(src, dst, 2, ordering=Ordering.identity(3))
+    with pytest.raises(ValueError, match="unknown ordering method 'bfs'"):
+        grid(src, dst, 2, ordering="bfs")
+    with pytest.raises(TypeError, match="cost must be a partition.CostModel"):
+        grid(src, dst, 2, memory_budget=100, cost={"bytes_per_vertex": 1})
+    with pytest.raises(ValueError, match="edge 0 has source id -1"):
+        grid([-1], [0], 2)
+    with pytest.raises(ValueError, match=r"cannot parse memory size '3 parsecs'"):
+        grid(src, dst, 2, memory_budget="3 parsecs", cost=CostModel(1, 1))
+    g = grid(src, dst, 2, num_intervals=2)
+    with pytest.raises(IndexError, match=r"interval index j=2 out of range .* \[0, 2\)"):
+        g.chunk(0, 2)
+    with pytest.raises(ValueError, match="order must be 'column' or 'row'"):
+        list(g.chunks("diagonal"))
+
+
+def test_default_is_one_interval():
+    src, dst = random_graph(10, 30)
+    g = grid(src, dst, 10)
+    assert g.num_intervals == 1 and g.peak_bytes is None
+    assert g.chunk(0, 0).eids.tolist() == list(range(30))
+
+
+# ---------------------------------------------------------------- cost model
+def test_cost_model_peak_formula_by_hand():
+    m = CostModel(bytes_per_vertex=10, bytes_per_edge=3, fixed=100, dst_bytes_per_vertex=7)
+    # fixed + 8 P^2 + dst V + 2 (src V + edge C), P=2, V=5, C=4
+    assert m.peak(2, 5, 4) == 100 + 8 * 4 + 7 * 5 + 2 * (10 * 5 + 3 * 4)
+    m1 = CostModel(bytes_per_vertex=10, bytes_per_edge=3, prefetch=False)
+    assert m1.peak(2, 5, 4) == 8 * 4 + 10 * 5 + (10 * 5 + 3 * 4)  # dst side defaults to src side
+    assert CostModel(0.5, 0.25).peak(1, 3, 3) == 14  # 8 + 1.5 + 2 * (1.5 + 0.75)
+    assert CostModel(0.5, 0.25).peak(1, 3, 1) == 13  # 8 + 1.5 + 2 * (1.5 + 0.25) = 13.0
+    assert CostModel(0.5, 0.3).peak(1, 3, 1) == 14  # 13.1 rounds up
+    assert m.lower_bound(3, 10, 20) == m.peak(3, 4, 3)  # ceil(10/3), ceil(20/9)
+
+
+def test_cost_model_for_layer():
+    m = CostModel.for_layer(16, 8, edge_width=2, itemsize=4, index_itemsize=4, fixed=5)
+    assert m == CostModel(bytes_per_vertex=16 * 4 + 8, bytes_per_edge=2 * 4 + 4 * 4 + 8,
+                          fixed=5, dst_bytes_per_vertex=8 * 4, prefetch=True)
+    assert CostModel.for_layer(3).dst_bytes_per_vertex == 12
+    with pytest.raises(ValueError, match="src_width must be >= 0"):
+        CostModel.for_layer(-1)
+
+
+@pytest.mark.parametrize("field", ["bytes_per_vertex", "bytes_per_edge", "fixed", "dst_bytes_per_vertex"])
+@pytest.mark.parametrize("bad", [-1, float("inf"), "8", True])
+def test_cost_model_rejects_bad_fields(field, bad):
+    kwargs = dict(bytes_per_vertex=1, bytes_per_edge=1)
+    kwargs[field] = bad
+    with pytest.raises(ValueError, match=f"CostModel.{field} must be a finite number >= 0"):
+        CostModel(**kwargs)
+
+
+@pytest.mark.parametrize("ordering", [None, "rcm"])
+@pytest.mark.parametrize("budget", [6_000, 6_500, 9_000, 20_000, "30KiB", 200_000])
+def test_budget_gives_smallest_fitting_p(budget, ordering):
+    src, dst = random_graph(300, 2000, seed=5)
+    cost = CostModel.for_layer(8, edge_width=1)
+    limit = budget if isinstance(budget, int) else 30 * 1024
+    # Reference: exact peaks of every P up to where the 8 P^2 table alone exceeds the budget.
+    peaks = {q: grid(src, dst, 300, num_intervals=q, cost=cost, ordering=ordering).peak_bytes
+             for q in range(1, math.isqrt(limit // 8) + 1)}
+    fitting = [q for q, peak in peaks.items() if peak <= limit]
+    if not fitting:
+        with pytest.raises(ValueError, match="too small"):
+            grid(src, dst, 300, memory_budget=budget, cost=cost, ordering=ordering)
+        return
+    g = grid(src, dst, 300, memory_budget=budget, cost=cost, ordering=ordering)
+    assert g.num_intervals == min(fitting)
+    assert g.peak_bytes == peaks[g.num_intervals] <= limit
+    check_grid(g, src, dst, 300)
+
+
+def test_budget_cases_above_cover_both_outcomes():
+    # Guards the test above: with RCM, 6000 bytes fits no P, while the user's order fits one.
+    src, dst = random_graph(300, 2000, seed=5)
+    cost = CostModel.for_layer(8, edge_width=1)
+    assert grid(src, dst, 300, memory_budget=6_000, cost=cost).num_intervals == 15
+    with pytest.raises(ValueError, match=r"smallest measured peak is .* at P=18"):
+        grid(src, dst, 300, memory_budget=6_000, cost=cost, ordering="rcm")
+
+
+def test_budget_peak_is_measured_not_estimated():
+    # Half of the edges are one repeated pair, so one chunk is far above the E / P^2 average:
+    # the even-split lower bound fits at a smaller P than the real layout does.
+    src, dst = random_graph(400, 1000, seed=6)
+    src = np.concatenate([src, np.zeros(1000, np.int64)])
+    dst = np.concatenate([dst, np.ones(1000, np.int64)])
+    cost = CostModel(bytes_per_vertex=4, bytes_per_edge=16, prefetch=False)
+    budget = 20_000
+    g = grid(src, dst, 400, memory_budget=budget, cost=cost)
+    p = g.num_intervals
+    assert g.peak_bytes <= budget and g.counts.max() >= 1000
+    assert cost.lower_bound(p - 1, 400, 2000) <= budget  # an estimate would have stopped earlier
+    assert grid(src, dst, 400, num_intervals=p - 1, cost=cost).peak_bytes > budget
+
+
+def test_budget_with_metis_runs_metis_at_the_chosen_p():
+    pytest.importorskip("pymetis")
+    src, dst, n, _ = planted_partition(blocks=4, size=40, seed=3)
+    cost = CostModel.for_layer(8)
+    g = grid(src, dst, n, memory_budget=60_000, cost=cost, ordering="metis")
+    assert g.ordering.method == "metis" and g.ordering.num_parts == g.num_intervals
+    assert g.peak_bytes <= 60_000
+    check_grid(g, src, dst, n)
+
+
+def test_budget_too_small_names_budget_and_minimum():
+    src, dst = random_graph(100, 500, seed=7)
+    cost = CostModel.for_layer(64)
+    with pytest.raises(ValueError, match=r"memory budget 1.00 KiB \(1024 bytes\) is too small .* "
+                                         r"needs at least .* Raise memory_budget"):
+        grid(src, dst, 100, memory_budget="1KiB", cost=cost)
+    # fixed alone exceeds the budget
+    with pytest.raises(ValueError, match="too small"):
+        grid(src, dst, 100, memory_budget=10**6, cost=CostModel(1, 1, fixed=2 * 10**6))
+
+
+def test_budget_failure_after_measuring_reports_smallest_measured_peak():
+    # Every edge is the same pair, so no P splits it: all measured peaks stay above the budget.
+    src = np.zeros(10_000, np.int64)
+    dst = np.ones(10_000, np.int64)
+    cost = CostModel(bytes_per_vertex=0, bytes_per_edge=1, prefetch=False)
+    with pytest.raises(ValueError, match=r"smallest measured peak is .* at P="):
+        grid(src, dst, 1000, memory_budget=5_000, cost=cost)
+
+
+def test_table_term_limits_p():
+    # With free vertices and edges only the 8 P^2 table counts, so the largest P that fits
+    # is floor(sqrt(budget / 8)); the smallest fitting P is 1.
+    cost = CostModel(0, 0)
+    src, dst = random_graph(1000, 100)
+    assert grid(src, dst, 1000, memory_budget=8 * 9, cost=cost).num_intervals == 1
+    assert TABLE_BYTES_PER_CHUNK == 8
+
+
+def test_cost_without_budget_reports_peak():
+    src, dst = random_graph(20, 50)
+    cost = CostModel(1, 2)
+    g = grid(src, dst, 20, num_intervals=4, cost=cost)
+    assert g.peak_bytes == cost.peak(4, 5, int(g.counts.max()))
+    assert repr(g).endswith(f"peak={g.peak_bytes} B)")

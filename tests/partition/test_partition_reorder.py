@@ -1,0 +1,163 @@
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from partition import Ordering, compare_orderings, format_stats_table, reorder
+from partition.ordering import symmetrized_adjacency
+from partition_testutil import edge_case_graphs, planted_partition, random_graph
+
+pytest.importorskip("pymetis")
+
+
+def directed_cut(src, dst, ordering, num_intervals):
+    """Reference: edges whose endpoints fall in different intervals, by a plain Python loop."""
+    from partition.chunk_grid import interval_bounds
+    bounds = interval_bounds(ordering.num_nodes, num_intervals, ordering)
+    where = {}
+    for i in range(num_intervals):
+        for new in range(bounds[i], bounds[i + 1]):
+            where[int(ordering.perm[new])] = i
+    return sum(where[int(s)] != where[int(d)] for s, d in zip(src, dst))
+
+
+def test_ordering_record():
+    o = Ordering([2, 0, 1], method="custom")
+    assert o.inv.tolist() == [1, 2, 0]
+    assert o.relabel([2, 0]).tolist() == [0, 1]
+    assert o.num_nodes == 3 and o.num_parts is None
+    assert repr(o) == "Ordering(method='custom', num_nodes=3)"
+    assert repr(Ordering([0, 1], method="metis", bounds=[0, 1, 2])) == \
+        "Ordering(method='metis', num_nodes=2, num_parts=2)"
+    ident = Ordering.identity(4)
+    assert ident.perm.tolist() == ident.inv.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("perm, match", [
+    ([0, 0, 1], "vertex 2 does not appear"),
+    ([0, 3, 1], r"permutation of range\(3\)"),
+    ([[0, 1]], "1-D"),
+    ([0.0, 1.0], "integer"),
+])
+def test_ordering_rejects_non_permutations(perm, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        Ordering(perm)
+
+
+def test_ordering_rejects_bad_bounds():
+    with pytest.raises(ValueError, match="bounds must be non-decreasing from 0 to 3"):
+        Ordering([0, 1, 2], bounds=[0, 2, 1, 3])
+    with pytest.raises(ValueError, match="bounds"):
+        Ordering([0, 1, 2], bounds=[0, 2])
+
+
+@pytest.mark.parametrize("method", ["identity", "rcm", "metis"])
+@pytest.mark.parametrize("name, src, dst, n", edge_case_graphs(), ids=lambda v: v if isinstance(v, str) else "")
+def test_reorder_edge_cases_give_permutations(method, name, src, dst, n):
+    o = reorder(src, dst, n, method=method, num_parts=3 if method == "metis" else None)
+    assert sorted(o.perm.tolist()) == list(range(n))
+    assert np.array_equal(o.inv[o.perm], np.arange(n))
+    if method == "metis":
+        assert o.num_parts == 3 and o.bounds[0] == 0 and o.bounds[-1] == n
+
+
+def test_reorder_accepts_torch_tensors():
+    src, dst = random_graph(30, 80, seed=1)
+    a = reorder(torch.from_numpy(src), torch.from_numpy(dst), 30, method="rcm")
+    b = reorder(src, dst, 30, method="rcm")
+    assert np.array_equal(a.perm, b.perm)
+
+
+def test_rcm_recovers_a_shuffled_path():
+    # A path has bandwidth 1 in its natural order; RCM must find such an order again.
+    n = 40
+    relabel = np.random.default_rng(3).permutation(n)
+    src, dst = relabel[:-1], relabel[1:]
+    o = reorder(src, dst, n, method="rcm")
+    assert np.abs(o.inv[src] - o.inv[dst]).max() == 1
+    assert np.abs(src - dst).max() > 1  # the shuffled ids were not already banded
+
+
+def test_metis_beats_identity_on_a_shuffled_planted_partition():
+    src, dst, n, community = planted_partition(blocks=4, size=50, seed=0)
+    o = reorder(src, dst, n, method="metis", num_parts=4, seed=0)
+    cut_metis = directed_cut(src, dst, o, 4)
+    cut_ident = directed_cut(src, dst, Ordering.identity(n), 4)
+    # Expected inter-community edges: 200*150*0.004 = 120 of about 2100; identity cuts ~75%.
+    assert cut_metis < 0.25 * cut_ident
+    # METIS found the planted communities: each part is (almost) one community.
+    for p in range(4):
+        members = o.perm[o.bounds[p]:o.bounds[p + 1]]
+        assert np.bincount(community[members]).max() >= 0.9 * len(members)
+
+
+def test_metis_parts_are_contiguous_and_seeded():
+    src, dst = random_graph(60, 300, seed=2)
+    a = reorder(src, dst, 60, method="metis", num_parts=5, seed=7)
+    b = reorder(src, dst, 60, method="metis", num_parts=5, seed=7)
+    assert np.array_equal(a.perm, b.perm) and np.array_equal(a.bounds, b.bounds)
+    assert a.bounds.shape == (6,) and np.all(np.diff(a.bounds) >= 0)
+    # Within a part vertices keep their original relative order (stable sort by part).
+    for p in range(5):
+        part = a.perm[a.bounds[p]:a.bounds[p + 1]]
+        assert np.all(np.diff(part) > 0)
+
+
+def test_metis_more_parts_than_vertices():
+    o = reorder([0, 1], [1, 2], 3, method="metis", num_parts=5)
+    assert o.perm.tolist() == [0, 1, 2]
+    assert o.bounds.tolist() == [0, 1, 2, 3, 3, 3]
+
+
+def test_symmetrized_adjacency_counts_multiplicity_and_drops_loops():
+    adj = symmetrized_adjacency(np.array([0, 0, 1, 2]), np.array([1, 1, 0, 2]), 3).toarray()
+    assert adj.tolist() == [[0, 3, 0], [3, 0, 0], [0, 0, 0]]
+
+
+def test_reorder_errors():
+    with pytest.raises(ValueError, match="unknown ordering method 'spectral'"):
+        reorder([0], [0], 1, method="spectral")
+    with pytest.raises(ValueError, match="needs num_parts"):
+        reorder([0], [0], 1, method="metis")
+    with pytest.raises(ValueError, match="num_parts=4 is only used by method='metis'"):
+        reorder([0], [0], 1, method="rcm", num_parts=4)
+    with pytest.raises(ValueError, match=r"edge 1 has destination id 5, out of range for a graph "
+                                         r"with 3 nodes; ids must lie in \[0, 3\)"):
+        reorder([0, 1], [1, 5], 3)
+    with pytest.raises(ValueError, match="same length"):
+        reorder([0, 1], [1], 3)
+    with pytest.raises(TypeError, match="num_nodes must be an int"):
+        reorder([0], [0], 1.0)
+
+
+def test_metis_without_pymetis_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pymetis", None)  # makes `import pymetis` fail
+    src, dst = random_graph(10, 20)
+    with pytest.raises(ImportError, match=r"pip install 'ngra\[partition\]'"):
+        reorder(src, dst, 10, method="metis", num_parts=2)
+
+
+def test_compare_orderings_and_table():
+    src, dst, n, _ = planted_partition(blocks=4, size=40, seed=1)
+    rows = compare_orderings(src, dst, n, num_intervals=4)
+    assert [r.method for r in rows] == ["identity", "rcm", "metis"]
+    for r in rows:
+        assert r.num_edges == len(src) and r.num_intervals == 4
+        assert r.edge_cut == directed_cut(
+            src, dst, reorder(src, dst, n, method=r.method,
+                              num_parts=4 if r.method == "metis" else None), 4)
+        assert 0 < r.nonempty_chunks <= 16 and r.density == r.nonempty_chunks / 16
+    by = {r.method: r for r in rows}
+    assert by["metis"].edge_cut < by["identity"].edge_cut
+    table = format_stats_table(rows)
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(rows)
+    assert lines[0].split() == ["method", "P", "edges", "edge", "cut", "cut", "%", "non-empty",
+                                "density", "max", "chunk", "mean", "chunk", "max", "interval"]
+    assert set(lines[1]) <= {"-", " "}
+    for line, r in zip(lines[2:], rows):
+        cells = line.split()
+        assert cells[0] == r.method and int(cells[1]) == 4 and int(cells[3]) == r.edge_cut
+        assert cells[4] == f"{r.cut_fraction:.1%}"
+    assert len({len(line.rstrip()) for line in lines}) == 1  # columns are aligned
