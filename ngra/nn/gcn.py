@@ -1,0 +1,111 @@
+"""Graph convolution (Kipf & Welling, ICLR 2017)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..graph import Graph
+from ._utils import Conv, check_bool, check_edge_weight, check_features, check_graph, check_int, \
+    glorot_, inv_or_zero
+
+__all__ = ["GCNConv"]
+
+
+class GCNConv(Conv):
+    r"""Graph convolution: ``X' = D^-1/2 (A + I) D^-1/2 X W + b``.
+
+    Per vertex, with edge weights ``w_ji`` (1 when not given) and ``d_i = sum_{j->i} w_ji + 1``
+    (the in-degree, counting the self loop)::
+
+        x_i' = b + sum_{j -> i} w_ji / sqrt(d_j d_i) * W x_j  +  1 / d_i * W x_i
+
+    Shapes: ``x`` [N, in_channels], ``edge_weight`` [E] (optional) -> [N, out_channels].
+
+    Self loops follow PyG's ``add_remaining_self_loops``: every vertex gets exactly one self
+    loop of weight 1, except that a vertex that already has self-loop edges keeps the weight of
+    such an edge instead (with several, the last one's) and those edges are not counted again.
+    The loop term is computed on the vertices (``apply_vertex``); the graph is not modified.
+    Degrees are in-degrees, at both ends of an edge, as in PyG (``flow="source_to_target"``).
+
+    Options (keyword-only): ``bias``; ``add_self_loops`` (the ``+ I``); ``normalize`` (the
+    ``D^-1/2 .. D^-1/2``; without it ``X' = (A [+ I]) X W + b``).
+
+    The message ``w_ji d_j^-1/2 (W x_j)`` compiles to one g-SpMM (``gspmm[copy_u, sum]``, or
+    ``[u_mul_e, sum]`` when there are edge weights or self-loop edges to mask): ``W x`` and the
+    source normalization are vertex work before Scatter.
+    """
+
+    gather = "sum"
+
+    def __init__(self, in_channels: int, out_channels: int, *, bias: bool = True,
+                 add_self_loops: bool = True, normalize: bool = True):
+        super().__init__()
+        where = type(self).__name__
+        self.in_channels = check_int(where, "in_channels", in_channels)
+        self.out_channels = check_int(where, "out_channels", out_channels)
+        self.add_self_loops = check_bool(where, "add_self_loops", add_self_loops)
+        self.normalize = check_bool(where, "normalize", normalize)
+        check_bool(where, "bias", bias)
+        self.lin = torch.nn.Linear(self.in_channels, self.out_channels, bias=False)
+        self.bias = torch.nn.Parameter(torch.empty(self.out_channels)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        glorot_(self.lin.weight)
+        if self.bias is not None:
+            torch.nn.init.zeros_(self.bias)
+
+    def _repr_args(self):
+        return [str(self.in_channels), str(self.out_channels),
+                f"add_self_loops={self.add_self_loops}", f"normalize={self.normalize}",
+                f"bias={self.bias is not None}"]
+
+    # -- vertex-level work --------------------------------------------------------------------
+    def prepare(self, g: Graph, x: torch.Tensor, edge_weight: torch.Tensor | None = None):
+        """Vertex fields ``h`` [N, in], ``dinv`` [N, 1] (= d^-1/2, 0 for d = 0), ``loop`` [N, 1]
+        (self-loop weight) and, when needed, edge field ``w`` [E, 1] (self-loop edges get 0)."""
+        where = type(self).__name__
+        check_graph(where, g)
+        check_features(where, x, g, self.in_channels)
+        w = check_edge_weight(where, edge_weight, g, x.dtype)
+        vdata = {"h": x}
+        if self.add_self_loops:
+            is_loop = g.src == g.dst
+            loop_w = torch.ones(g.num_nodes, dtype=x.dtype, device=x.device)
+            if bool(is_loop.any()):
+                loop_w = loop_w.index_put((g.src[is_loop],),
+                                          w[is_loop] if w is not None else loop_w.new_ones(()))
+                w = (w if w is not None else x.new_ones(g.num_edges)).masked_fill(is_loop, 0.0)
+            vdata["loop"] = loop_w.unsqueeze(1)
+        if self.normalize:
+            if w is None:
+                deg = g.in_degrees().to(x.dtype)
+            else:
+                deg = torch.zeros(g.num_nodes, dtype=x.dtype, device=x.device).index_add(0, g.dst, w)
+            if self.add_self_loops:
+                deg = deg + vdata["loop"].squeeze(1)
+            vdata["dinv"] = inv_or_zero(deg, 0.5).unsqueeze(1)
+        edata = {} if w is None else {"w": w.unsqueeze(1)}
+        return g, vdata, edata
+
+    def forward(self, g: Graph, x: torch.Tensor, edge_weight: torch.Tensor | None = None):
+        return self.propagate(*self.prepare(g, x, edge_weight))
+
+    # -- the vertex program -------------------------------------------------------------------
+    def _source(self, v):
+        h = self.lin(v.data["h"])
+        return h * v.data["dinv"] if self.normalize else h
+
+    def scatter(self, v):
+        return {"h": self._source(v)}
+
+    def apply_edge(self, e):
+        return e.src["h"] * e.data["w"] if "w" in e.data else e.src["h"]
+
+    def apply_vertex(self, v, acc):
+        # The self loop is one more term of the sum, from the vertex's own (scaled) W x_i;
+        # tracing both calls of _source yields one node after CSE.
+        out = acc + v.data["loop"] * self._source(v) if self.add_self_loops else acc
+        if self.normalize:
+            out = out * v.data["dinv"]
+        return out + self.bias if self.bias is not None else out
