@@ -110,3 +110,13 @@ def check_message(msg, num_edges: int, layer) -> torch.Tensor:
         raise ValueError(f"{type(layer).__name__}.apply_edge must return one row per edge: expected "
                          f"shape [{num_edges}, ...] (got {tuple(msg.shape)})")
     return msg
+
+
+def check_scatter(layer, out) -> dict:
+    """Validate what ``scatter(v)`` returned: a dict of field name -> vertex tensor."""
+    if not isinstance(out, dict) or not all(isinstance(k, str) for k in out):
+        got = "a tensor" if isinstance(out, torch.Tensor) or type(out).__name__ == "Proxy" \
+            else type(out).__name__
+        raise TypeError(f"{type(layer).__name__}.scatter must return a dict of field name -> vertex "
+                        f"tensor (got {got})")
+    return out

@@ -14,7 +14,7 @@ import torch
 
 import kernels
 
-from .batch import EdgeBatch, VertexBatch, check_message
+from .batch import EdgeBatch, VertexBatch, check_message, check_scatter
 from .ir import IR, Node, map_nodes
 
 __all__ = ["GraphOps", "run_ir", "run_eager", "propagate_shapes"]
@@ -154,11 +154,7 @@ def run_ir(ir: IR, layer: torch.nn.Module, ops: GraphOps, vdata: dict, edata: di
 def run_eager(layer, ops: GraphOps, vdata: dict, edata: dict, reduce: str):
     """Run Scatter -> ApplyEdge -> Gather -> ApplyVertex directly on tensors (no compilation)."""
     v = VertexBatch(vdata)
-    scattered = layer.scatter(v)
-    if not isinstance(scattered, dict):
-        raise TypeError(f"{type(layer).__name__}.scatter must return a dict of field name -> "
-                        f"vertex tensor (got {type(scattered).__name__})")
-    e = EdgeBatch(ops, scattered, edata)
+    e = EdgeBatch(ops, check_scatter(layer, layer.scatter(v)), edata)
     msg = check_message(layer.apply_edge(e), ops.csr.num_edges, layer)
     return layer.apply_vertex(v, ops.gather(msg, reduce))
 

@@ -118,15 +118,15 @@ def check_inputs(layer, g, vdata, edata):
     if not isinstance(edata, Mapping):
         raise TypeError(f"{where}: edata must be a dict of field name -> tensor [E, ...] (got "
                         f"{type(edata).__name__})")
-    for kind, data, rows, what in (("vdata", vdata, g.num_nodes, "vertices"),
-                                   ("edata", edata, g.num_edges, "edges")):
+    for kind, data, rows, one, what in (("vdata", vdata, g.num_nodes, "vertex", "vertices"),
+                                        ("edata", edata, g.num_edges, "edge", "edges")):
         for k, t in data.items():
             if not isinstance(k, str):
                 raise TypeError(f"{where}: {kind} field names must be strings (got {k!r})")
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{where}: {kind}[{k!r}] must be a torch.Tensor (got {type(t).__name__})")
             if t.dim() == 0 or t.shape[0] != rows:
-                raise ValueError(f"{where}: {kind}[{k!r}] must have one row per {what[:-1]}: expected "
+                raise ValueError(f"{where}: {kind}[{k!r}] must have one row per {one}: expected "
                                  f"shape [{rows}, ...] for a graph with {rows} {what} (got "
                                  f"{tuple(t.shape)})")
             if t.device != g.device:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from .batch import EdgeBatch, VertexBatch
-from .ir import IR, Node, map_nodes
+from .batch import EdgeBatch, VertexBatch, check_scatter
+from .ir import IR, Node, function_name, map_nodes
 
 __all__ = ["trace", "TraceFailure"]
 
@@ -79,7 +79,7 @@ class _SagaRoot(torch.nn.Module):
         vdata = {k: inputs["vertex:" + k] for k in self._vnames}
         edata = {k: inputs["edge:" + k] for k in self._enames}
         v = VertexBatch(vdata)
-        scattered = _check_scatter(self.layer, self.layer.scatter(v))
+        scattered = check_scatter(self.layer, self.layer.scatter(v))
         e = EdgeBatch(_SymbolicEdges(tracer), scattered, edata)
         msg = self.layer.apply_edge(e)
         if not isinstance(msg, torch.fx.Proxy):
@@ -87,13 +87,6 @@ class _SagaRoot(torch.nn.Module):
                             f"from e.src / e.dst / e.data (got {type(msg).__name__})")
         acc = tracer.create_proxy("call_function", _gather, (msg, self._reduce), {})
         return self.layer.apply_vertex(v, acc)
-
-
-def _check_scatter(layer, out):
-    if not isinstance(out, dict) or not all(isinstance(k, str) for k in out):
-        raise TypeError(f"{type(layer).__name__}.scatter must return a dict of field name -> vertex "
-                        f"tensor (got {type(out).__name__})")
-    return out
 
 
 def trace(layer, vnames, enames, reduce) -> tuple[IR, _SagaRoot]:
@@ -107,21 +100,22 @@ def trace(layer, vnames, enames, reduce) -> tuple[IR, _SagaRoot]:
     root._tracer = tracer
     try:
         fx_graph = tracer.trace(root)
-    except (TypeError, KeyError, ValueError) as e:
-        # Errors of the user's own making (bad return types, unknown fields) are not trace failures.
-        if not _mentions_proxy(e):
+    except Exception as e:
+        # Only failures of symbolic tracing itself fall back to eager execution; mistakes in the
+        # user's code (unknown fields, wrong return types, missing methods) surface as they are.
+        if not _is_trace_error(e):
             raise
-        raise TraceFailure(_describe(e)) from e
-    except Exception as e:  # fx reports untraceable code with several exception types
         raise TraceFailure(_describe(e)) from e
     finally:
         root._tracer = None
     return _to_ir(fx_graph, root), root
 
 
-def _mentions_proxy(e: Exception) -> bool:
+def _is_trace_error(e: Exception) -> bool:
+    if isinstance(e, torch.fx.proxy.TraceError):
+        return True
     text = str(e)
-    return "Proxy" in text or "symbolically traced" in text or "fx" in text
+    return "symbolic tracing" in text or "symbolically traced" in text or "Proxy" in text
 
 
 def _describe(e: Exception) -> str:
@@ -184,7 +178,7 @@ def _to_ir(fx_graph: torch.fx.Graph, root: _SagaRoot) -> IR:
             env[n] = add(target.replace(".", "_"), "call_module", target, n.args, n.kwargs,
                          value=root.layer.get_submodule(target))
         elif n.op in ("call_function", "call_method"):
-            name = n.name if n.op == "call_function" else str(n.target)
+            name = function_name(n.target).split(".")[-1] if n.op == "call_function" else str(n.target)
             env[n] = add(name, n.op, n.target, n.args, n.kwargs)
         elif n.op == "output":
             out = n.args[0]

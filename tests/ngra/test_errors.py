@@ -1,0 +1,129 @@
+"""Bad input to the public vertex-program entry points gets a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ngra
+from saga_reference import random_graph
+
+
+class Copy(ngra.VertexProgram):
+    def apply_edge(self, e):
+        return e.src["h"]
+
+
+@pytest.fixture
+def g():
+    return random_graph(10, 30)
+
+
+def test_graph_must_be_an_ngra_graph(g):
+    with pytest.raises(TypeError, match=r"expected an ngra.Graph as the first argument \(got Tensor\)"):
+        Copy()(torch.zeros(2, 3), torch.zeros(10, 3))
+
+
+def test_vertex_rows_must_match(g):
+    with pytest.raises(ValueError, match=r"vdata\['h'\] must have one row per vertex: expected shape "
+                                         r"\[10, ...\] for a graph with 10 vertices \(got \(9, 3\)\)"):
+        Copy()(g, torch.zeros(9, 3))
+
+
+def test_edge_rows_must_match(g):
+    with pytest.raises(ValueError, match=r"edata\['w'\] must have one row per edge: expected shape "
+                                         r"\[30, ...\] for a graph with 30 edges \(got \(29,\)\)"):
+        Copy()(g, torch.zeros(10, 3), {"w": torch.zeros(29)})
+
+
+@pytest.mark.parametrize("vdata, match", [
+    ({}, "non-empty dict"),
+    ([torch.zeros(10)], "got list"),
+    ({"h": [1.0] * 10}, r"vdata\['h'\] must be a torch.Tensor \(got list\)"),
+    ({"h": torch.tensor(1.0)}, r"expected shape \[10, ...\]"),
+    ({1: torch.zeros(10)}, "field names must be strings"),
+])
+def test_bad_vdata(g, vdata, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        Copy()(g, vdata)
+
+
+def test_edata_must_be_a_dict(g):
+    with pytest.raises(TypeError, match="edata must be a dict"):
+        Copy()(g, torch.zeros(10, 3), torch.zeros(30))
+
+
+@pytest.mark.parametrize("gather", ["avg", 3, None.__class__])
+def test_bad_gather(gather):
+    with pytest.raises(ValueError, match=r"gather must be one of \['sum', 'mean', 'max', 'min'\]"):
+        Copy(gather)
+
+
+def test_missing_apply_edge(g):
+    class NoEdge(ngra.VertexProgram):
+        pass
+
+    with pytest.raises(NotImplementedError, match="NoEdge must define apply_edge"):
+        NoEdge()(g, torch.zeros(10, 3))
+
+
+def test_unknown_fields_name_the_available_ones(g):
+    class Bad(ngra.VertexProgram):
+        def apply_edge(self, e):
+            return e.data["weight"]
+
+    with pytest.raises(KeyError, match=r"e.data has no field 'weight'; available fields: \['w'\]"):
+        Bad()(g, torch.zeros(10, 3), {"w": torch.zeros(30)})
+
+
+def test_apply_edge_must_return_a_tensor(g):
+    class Bad(ngra.VertexProgram):
+        def apply_edge(self, e):
+            return {"m": e.src["h"]}
+
+    with pytest.raises(TypeError, match="Bad.apply_edge must return a tensor"):
+        Bad()(g, torch.zeros(10, 3))
+
+
+def test_scatter_must_return_a_dict(g):
+    class Bad(Copy):
+        def scatter(self, v):
+            return v.data["h"]
+
+    with pytest.raises(TypeError, match=r"Bad.scatter must return a dict of field name -> vertex tensor \(got a tensor\)"):
+        Bad()(g, torch.zeros(10, 3))
+
+
+def test_apply_vertex_must_return_one_tensor(g):
+    class Bad(Copy):
+        def apply_vertex(self, v, acc):
+            return acc, acc
+
+    with pytest.raises(TypeError, match="apply_vertex must return one tensor"):
+        Bad()(g, torch.zeros(10, 3))
+
+
+def test_shape_errors_name_the_layer_and_inputs(g):
+    class Bad(ngra.VertexProgram):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(5, 2)
+
+        def apply_edge(self, e):
+            return self.lin(e.src["h"])  # h has 3 features, lin expects 5
+
+    with pytest.raises(RuntimeError, match=r"Bad failed on a sample batch with inputs \{v.h\[N, 3\]\}"):
+        Bad()(g, torch.zeros(10, 3))
+
+
+def test_compile_rejects_non_vertex_programs(g):
+    with pytest.raises(TypeError, match=r"ngra.compile expects an ngra.VertexProgram \(got Linear\)"):
+        ngra.compile(torch.nn.Linear(3, 3), g, torch.zeros(10, 3))
+
+
+def test_builtin_with_same_side_twice_is_refused(g):
+    class Bad(ngra.VertexProgram):
+        apply_edge = ngra.fn.MessageFunction("u_add_u", "add", "u", "u", "h", "h")
+
+    with pytest.raises(ValueError, match="uses the same side twice"):
+        Bad()(g, torch.zeros(10, 3))
