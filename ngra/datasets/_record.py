@@ -1,0 +1,181 @@
+"""The dataset record returned by every loader and generator, and helpers shared by them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ngra.graph import Graph
+
+__all__ = ["Dataset", "default_root", "row_normalize"]
+
+
+@dataclass(eq=False, repr=False)
+class Dataset:
+    """A graph with vertex features, labels and a train/validation/test split.
+
+    With ``N = graph.num_nodes`` and ``F`` features:
+
+    - ``name`` (str): the name ``ngra.datasets.load`` knows it by.
+    - ``graph`` (:class:`ngra.graph.Graph`): the edges; each loader documents whether it is
+      symmetrized.
+    - ``x`` [N, F] float32: vertex features as stored by the source (no normalization unless
+      asked for); ``None`` for a graph-only dataset (edge lists, R-MAT).
+    - ``y`` [N] int64: class of each vertex in ``[0, num_classes)``, or -1 for a vertex without
+      a label (such vertices are in no split); ``None`` for a graph-only dataset.
+    - ``train_mask``, ``val_mask``, ``test_mask`` [N] bool: disjoint splits, or ``None`` where
+      the source has none. ``mask.nonzero()`` gives indices.
+    - ``num_classes`` (int): 0 when there are no labels.
+    """
+
+    name: str
+    graph: Graph
+    x: torch.Tensor | None = None
+    y: torch.Tensor | None = None
+    train_mask: torch.Tensor | None = None
+    val_mask: torch.Tensor | None = None
+    test_mask: torch.Tensor | None = None
+    num_classes: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.graph, Graph):
+            raise TypeError(f"Dataset.graph must be an ngra.graph.Graph (got {type(self.graph).__name__})")
+        n = self.graph.num_nodes
+        if self.x is not None:
+            if not isinstance(self.x, torch.Tensor) or not self.x.is_floating_point() or self.x.dim() != 2:
+                raise ValueError(f"Dataset.x must be a 2-D floating-point tensor [N, F] (got {_describe(self.x)})")
+            if self.x.shape[0] != n:
+                raise ValueError(f"Dataset.x has {self.x.shape[0]} rows but the graph has {n} nodes")
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, (int, np.integer)) \
+                or self.num_classes < 0:
+            raise ValueError(f"Dataset.num_classes must be an int >= 0 (got {self.num_classes!r})")
+        self.num_classes = int(self.num_classes)
+        if self.y is not None:
+            if not isinstance(self.y, torch.Tensor) or self.y.dtype != torch.int64 or self.y.dim() != 1:
+                raise ValueError(f"Dataset.y must be a 1-D int64 tensor [N] (got {_describe(self.y)})")
+            if self.y.shape[0] != n:
+                raise ValueError(f"Dataset.y has {self.y.shape[0]} entries but the graph has {n} nodes")
+            if n and (int(self.y.min()) < -1 or int(self.y.max()) >= self.num_classes):
+                raise ValueError(
+                    f"Dataset.y holds labels in [{int(self.y.min())}, {int(self.y.max())}]; labels must lie "
+                    f"in [0, {self.num_classes}) (num_classes={self.num_classes}), or be -1 for unlabelled"
+                )
+        masks = {}
+        for field in ("train_mask", "val_mask", "test_mask"):
+            m = getattr(self, field)
+            if m is None:
+                continue
+            if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or m.shape != (n,):
+                raise ValueError(f"Dataset.{field} must be a bool tensor of shape [{n}] (got {_describe(m)})")
+            if self.y is not None and bool((self.y[m] < 0).any()):
+                raise ValueError(f"Dataset.{field} selects vertices without a label (y == -1)")
+            masks[field] = m
+        names = list(masks)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                if bool((masks[a] & masks[b]).any()):
+                    raise ValueError(f"Dataset.{a} and Dataset.{b} overlap; splits must be disjoint")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.graph.num_nodes
+
+    @property
+    def num_features(self) -> int:
+        """F, or 0 when there are no features."""
+        return 0 if self.x is None else int(self.x.shape[1])
+
+    def stats(self) -> dict:
+        """Summary numbers (plain Python values), e.g. for ``ngra info --dataset NAME``."""
+        g = self.graph
+        indeg, outdeg = g.in_degrees(), g.out_degrees()
+        out = {
+            "name": self.name,
+            "num_nodes": g.num_nodes,
+            "num_edges": g.num_edges,
+            "avg_in_degree": g.num_edges / g.num_nodes if g.num_nodes else 0.0,
+            "max_in_degree": int(indeg.max()) if g.num_nodes else 0,
+            "max_out_degree": int(outdeg.max()) if g.num_nodes else 0,
+            "isolated_nodes": int(((indeg == 0) & (outdeg == 0)).sum()),
+            "self_loops": int((g.src == g.dst).sum()),
+            "num_features": self.num_features,
+            "num_classes": self.num_classes,
+        }
+        if self.y is not None:
+            out["unlabelled_nodes"] = int((self.y < 0).sum())
+            out["class_counts"] = torch.bincount(self.y[self.y >= 0], minlength=self.num_classes).tolist()
+        for field in ("train", "val", "test"):
+            m = getattr(self, f"{field}_mask")
+            if m is not None:
+                out[f"num_{field}"] = int(m.sum())
+        return out
+
+    def __repr__(self) -> str:
+        parts = [f"name={self.name!r}", f"num_nodes={self.num_nodes}", f"num_edges={self.graph.num_edges}"]
+        if self.x is not None:
+            parts.append(f"num_features={self.num_features}")
+        if self.y is not None:
+            parts.append(f"num_classes={self.num_classes}")
+        masks = (self.train_mask, self.val_mask, self.test_mask)
+        if any(m is not None for m in masks):
+            parts.append("split=" + "/".join("-" if m is None else str(int(m.sum())) for m in masks))
+        return f"Dataset({', '.join(parts)})"
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {list(value.shape)} and dtype {value.dtype}"
+    return type(value).__name__
+
+
+def default_root() -> Path:
+    """Where datasets live when no ``root`` is given: ``$NGRA_DATASETS`` or ``~/.cache/ngra/datasets``."""
+    return Path(os.environ.get("NGRA_DATASETS", "~/.cache/ngra/datasets")).expanduser()
+
+
+def row_normalize(x: torch.Tensor) -> torch.Tensor:
+    """``x[i] / sum_j |x[i, j]|`` (L1 row normalization); all-zero rows stay zero. Returns a new tensor.
+
+    For non-negative bag-of-words features this is the row normalization GCN and GAT apply
+    to the citation datasets (Kipf & Welling 2017, ``preprocess_features``).
+    """
+    norm = x.abs().sum(dim=1, keepdim=True)
+    return x / torch.where(norm > 0, norm, torch.ones_like(norm))
+
+
+def per_class_split(y: np.ndarray, num_classes: int, train_per_class: int, val_per_class: int,
+                    seed: int, source: str):
+    """Random split: ``train_per_class`` and ``val_per_class`` labelled vertices of each class,
+    every other labelled vertex in test (Shchur et al. 2018). Returns three [N] bool tensors.
+
+    Deterministic for a given ``seed``. Raises if a class has fewer than
+    ``train_per_class + val_per_class`` labelled vertices.
+    """
+    for arg, v in (("train_per_class", train_per_class), ("val_per_class", val_per_class)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"{arg} must be an int >= 0 (got {v!r})")
+    need = train_per_class + val_per_class
+    counts = np.bincount(y[y >= 0], minlength=num_classes)
+    if num_classes and counts.min() < need:
+        c = int(counts.argmin())
+        raise ValueError(
+            f"{source}: class {c} has only {counts[c]} labelled nodes, fewer than "
+            f"train_per_class + val_per_class = {train_per_class} + {val_per_class}; lower them"
+        )
+    rng = np.random.default_rng(seed)
+    labelled = np.flatnonzero(y >= 0)
+    perm = rng.permutation(labelled)
+    # Group the shuffled vertices by class; the rank inside its class decides the split.
+    grouped = perm[np.argsort(y[perm], kind="stable")]
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rank = np.arange(grouped.size) - starts[y[grouped]]
+    masks = []
+    for lo, hi in ((0, train_per_class), (train_per_class, need), (need, None)):
+        m = np.zeros(y.shape[0], dtype=bool)
+        m[grouped[(rank >= lo) & ((rank < hi) if hi is not None else True)]] = True
+        masks.append(torch.from_numpy(m))
+    return tuple(masks)
