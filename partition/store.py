@@ -49,7 +49,7 @@ __all__ = ["ChunkStore", "StoreError", "FORMAT", "FORMAT_VERSION"]
 FORMAT = "ngra-chunk-store"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-_HASH_BLOCK = 8 << 20
+_HASH_BLOCK = 1 << 20  # bytes hashed per read, and bytes per block when copying vertex arrays
 # Files read whole at open and always hash-checked: they are O(P^2) and everything depends on them.
 _SMALL_FILES = ("offsets.npy", "chunk_sha256.npy")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
@@ -320,8 +320,11 @@ def _replayable(edge_blocks, num_nodes: int, tmp: Path, block_size: int, progres
     else:
         factory = None
 
+    first_pass: list[bytes] = []
+
     def checked(iterator, desc: str, expected: int | None):
-        offset = 0
+        # A fingerprint of each pass's edges proves that every pass saw the same stream.
+        offset, fingerprint = 0, hashlib.blake2b(digest_size=16)
         with _progress(progress, desc=desc, total=expected, unit="edge", unit_scale=True) as bar:
             for n_block, block in enumerate(iterator):
                 try:
@@ -330,12 +333,21 @@ def _replayable(edge_blocks, num_nodes: int, tmp: Path, block_size: int, progres
                     raise TypeError(f"edge block {n_block} must be a (src, dst) pair of arrays "
                                     f"(got {type(block).__name__})") from e
                 s, d, _ = as_edges(s, d, num_nodes, offset=offset)
+                if factory is not None:
+                    fingerprint.update(np.ascontiguousarray(s))
+                    fingerprint.update(np.ascontiguousarray(d))
                 yield s, d, offset
                 offset += s.shape[0]
                 bar.update(s.shape[0])
         if expected is not None and offset != expected:
             raise ValueError(f"the edge stream yielded {offset} edges on a later pass but "
                              f"{expected} on the first; edge_blocks() must be deterministic")
+        if factory is not None:
+            if not first_pass:
+                first_pass.append(fingerprint.digest())
+            elif fingerprint.digest() != first_pass[0]:
+                raise ValueError("the edge stream yielded different edges on a later pass than "
+                                 "on the first; edge_blocks() must be deterministic")
 
     if factory is not None:
         num_edges = sum(s.shape[0] for s, _, _ in checked(factory(), "checking edges", None))
@@ -629,9 +641,11 @@ def _check_sha(path: Path, manifest: dict, rel: str) -> None:
 
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
+    buf = bytearray(_HASH_BLOCK)
+    view = memoryview(buf)
     with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            h.update(block)
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 
