@@ -71,7 +71,9 @@ def sbm(num_nodes: int = 2708, *, num_classes: int = 7, avg_degree: float = 8.0,
     lo, hi = np.minimum(u, v), np.maximum(u, v)
     pairs = np.sort(lo[lo != hi] * n + hi[lo != hi])
     # np.unique would do, but its hash-based path in numpy 2.x is several times slower than this.
-    pairs = pairs[np.concatenate([[True], pairs[1:] != pairs[:-1]])]
+    first = np.ones(pairs.size, dtype=bool)
+    first[1:] = pairs[1:] != pairs[:-1]
+    pairs = pairs[first]
     lo, hi = pairs // n, pairs % n
     graph = Graph(torch.from_numpy(np.concatenate([lo, hi])), torch.from_numpy(np.concatenate([hi, lo])), n)
 

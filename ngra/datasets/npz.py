@@ -45,35 +45,13 @@ def read_npz(path, *, name: str | None = None, train_per_class: int = 20, val_pe
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found")
-    try:
-        npz = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise ValueError(f"{path}: not a readable npz archive (truncated or corrupt?): {e}") from e
-    with npz:
-        def get(key):
-            if key not in npz.files:
-                raise ValueError(f"{path}: missing array {key!r} (the file has {sorted(npz.files)})")
-            try:
-                return npz[key]
-            except ValueError as e:
-                if "allow_pickle" in str(e):
-                    raise ValueError(
-                        f"{path}: array {key!r} is a pickled object array; ngra reads npz files with "
-                        "allow_pickle=False because unpickling can run code. Re-save it as a numeric array"
-                    ) from e
-                raise ValueError(f"{path}: cannot read array {key!r}: {e}") from e
-            except (OSError, EOFError, zipfile.BadZipFile, zipfile.LargeZipFile) as e:
-                raise ValueError(f"{path}: cannot read array {key!r} (truncated or corrupt?): {e}") from e
-
-        adj = _csr(get, "adj", path)
-        if "attr_data" in npz.files:
-            attr = _csr(get, "attr", path).toarray()
-        else:
-            attr = get("attr_matrix")
-        if "labels" not in npz.files and "labels_data" in npz.files:
-            raise ValueError(f"{path}: has multi-label targets (labels_data/...); only single-label "
-                             "node classification ('labels' [N]) is supported")
-        labels = get("labels")
+    # Our own handle: np.load leaks the one it opens when the archive is unreadable.
+    with open(path, "rb") as fh:
+        try:
+            npz = np.load(fh, allow_pickle=False)
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+            raise ValueError(f"{path}: not a readable npz archive (truncated or corrupt?): {e}") from e
+        adj, attr, labels = _read_arrays(npz, path)
 
     n = adj.shape[0]
     if adj.shape[0] != adj.shape[1]:
@@ -94,6 +72,35 @@ def read_npz(path, *, name: str | None = None, train_per_class: int = 20, val_pe
     train, val, test = per_class_split(y, num_classes, train_per_class, val_per_class, seed, str(path))
     return Dataset(name, graph, torch.from_numpy(attr.astype(np.float32, copy=False)), torch.from_numpy(y),
                    train, val, test, num_classes)
+
+
+def _read_arrays(npz, path: Path):
+    """The adjacency (CSR), features [N, F] and labels [N] arrays of an open npz archive."""
+    def get(key):
+        if key not in npz.files:
+            raise ValueError(f"{path}: missing array {key!r} (the file has {sorted(npz.files)})")
+        try:
+            return npz[key]
+        except ValueError as e:
+            if "allow_pickle" in str(e):
+                raise ValueError(
+                    f"{path}: array {key!r} is a pickled object array; ngra reads npz files with "
+                    "allow_pickle=False because unpickling can run code. Re-save it as a numeric array"
+                ) from e
+            raise ValueError(f"{path}: cannot read array {key!r}: {e}") from e
+        except (OSError, EOFError, zipfile.BadZipFile, zipfile.LargeZipFile) as e:
+            raise ValueError(f"{path}: cannot read array {key!r} (truncated or corrupt?): {e}") from e
+
+    adj = _csr(get, "adj", path)
+    if "attr_data" in npz.files:
+        attr = _csr(get, "attr", path).toarray()
+    else:
+        attr = get("attr_matrix")
+    if "labels" not in npz.files and "labels_data" in npz.files:
+        raise ValueError(f"{path}: has multi-label targets (labels_data/...); only single-label "
+                         "node classification ('labels' [N]) is supported")
+    labels = get("labels")
+    return adj, attr, labels
 
 
 def _csr(get, prefix: str, path: Path) -> sp.csr_matrix:

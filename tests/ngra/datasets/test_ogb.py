@@ -1,0 +1,141 @@
+"""OGB node-property raw layout and plain edge lists, on small files written in the real formats."""
+
+import gzip
+
+import numpy as np
+import pytest
+import torch
+
+from ngra.datasets import load, read_edge_list
+from ngra.datasets.ogb import read_ogb_node
+
+
+def gz(path, lines):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        f.write("".join(line + "\n" for line in lines))
+
+
+def write_ogb(directory, *, n=12, edges=((0, 1), (1, 2), (2, 0), (3, 4), (4, 4), (0, 1)), f=3,
+              labels=None, split="time", splits=None):
+    rng = np.random.default_rng(0)
+    feat = rng.standard_normal((n, f)).astype(np.float32)
+    labels = [str(i % 4) for i in range(n)] if labels is None else labels
+    splits = splits or {"train": range(0, 6), "valid": range(6, 9), "test": range(9, 12)}
+    gz(directory / "raw" / "edge.csv.gz", [f"{u},{v}" for u, v in edges])
+    gz(directory / "raw" / "num-node-list.csv.gz", [str(n)])
+    gz(directory / "raw" / "num-edge-list.csv.gz", [str(len(edges))])
+    gz(directory / "raw" / "node-feat.csv.gz", [",".join(repr(float(v)) for v in row) for row in feat])
+    gz(directory / "raw" / "node-label.csv.gz", labels)
+    for part, ids in splits.items():
+        gz(directory / "split" / split / f"{part}.csv.gz", [str(i) for i in ids])
+    return feat
+
+
+def test_ogbn_arxiv_layout(tmp_path):
+    feat = write_ogb(tmp_path / "ogb" / "ogbn_arxiv")
+    ds = load("ogbn-arxiv", root=tmp_path)
+    assert repr(ds) == ("Dataset(name='ogbn-arxiv', num_nodes=12, num_edges=6, num_features=3, "
+                        "num_classes=4, split=6/3/3)")
+    # Directed, in file order, nothing dropped (as OGB ships arxiv).
+    assert ds.graph.edge_index.tolist() == [[0, 1, 2, 3, 4, 0], [1, 2, 0, 4, 4, 1]]
+    assert torch.equal(ds.x, torch.from_numpy(feat))
+    assert ds.y.tolist() == [i % 4 for i in range(12)]
+    assert torch.nonzero(ds.val_mask).flatten().tolist() == [6, 7, 8]
+
+
+def test_ogbn_products_adds_inverse_edges(tmp_path):
+    write_ogb(tmp_path / "ogb" / "ogbn_products", edges=((0, 1), (2, 3)), split="sales_ranking")
+    ds = load("ogbn-products", root=tmp_path)
+    assert ds.graph.edge_index.tolist() == [[0, 2, 1, 3], [1, 3, 0, 2]]
+
+
+def test_nan_labels_and_split_choice(tmp_path):
+    labels = ["nan" if i in (10, 11) else str(i % 2) for i in range(12)]
+    write_ogb(tmp_path, labels=labels, splits={"train": [0, 1], "valid": [2], "test": [3, 4]})
+    write_ogb(tmp_path, labels=labels, split="other", splits={"train": [5], "valid": [6], "test": [7]})
+    with pytest.raises(ValueError, match=r"split: expected exactly one split scheme directory, found "
+                                         r"\['other', 'time'\]; pass split=<name>"):
+        read_ogb_node(tmp_path)
+    ds = read_ogb_node(tmp_path, split="other")
+    assert ds.y[10] == -1 and ds.y[11] == -1 and ds.num_classes == 2
+    assert torch.nonzero(ds.train_mask).flatten().tolist() == [5]
+
+
+def test_no_features_file(tmp_path):
+    write_ogb(tmp_path)
+    (tmp_path / "raw" / "node-feat.csv.gz").unlink()
+    ds = read_ogb_node(tmp_path)
+    assert ds.x is None and ds.num_features == 0
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (lambda d: gz(d / "raw" / "edge.csv.gz", ["0,1", "1,99"]),
+     r"edge\.csv\.gz: has 2 edges but num-edge-list\.csv\.gz says 6"),
+    (lambda d: (gz(d / "raw" / "edge.csv.gz", ["0,1", "1,99"]), gz(d / "raw" / "num-edge-list.csv.gz", ["2"])),
+     r"edge\.csv\.gz: edge index 99 out of range for a graph with 12 nodes; indices must lie in \[0, 12\)"),
+    (lambda d: gz(d / "raw" / "edge.csv.gz", ["0,1,5"] * 6), r"edge\.csv\.gz: expected 2 column\(s\) per line, found 3"),
+    (lambda d: gz(d / "raw" / "edge.csv.gz", ["0,1"] * 5 + ["a,b"]), r"edge\.csv\.gz: cannot parse lines 1-6"),
+    (lambda d: gz(d / "raw" / "node-feat.csv.gz", ["1.0,2.0,3.0"] * 11), r"node-feat\.csv\.gz: has 11 rows for 12 vertices"),
+    (lambda d: gz(d / "raw" / "node-feat.csv.gz", ["1.0,2.0,3.0"] * 11 + ["1.0,2.0"]),
+     r"node-feat\.csv\.gz: cannot parse lines 1-12"),
+    (lambda d: gz(d / "raw" / "node-label.csv.gz", ["1"] * 11), r"node-label\.csv\.gz: expected 12 lines of one label each"),
+    (lambda d: gz(d / "raw" / "node-label.csv.gz", ["1.5"] + ["1"] * 11), r"node-label\.csv\.gz: label 1\.5 is not a class id"),
+    (lambda d: gz(d / "raw" / "node-label.csv.gz", ["-2"] + ["1"] * 11), r"node-label\.csv\.gz: label -2\.0 is not a class id"),
+    (lambda d: gz(d / "raw" / "num-node-list.csv.gz", ["12", "13"]), r"num-node-list\.csv\.gz: expected a single count >= 0"),
+    (lambda d: gz(d / "split" / "time" / "test.csv.gz", ["9", "12"]),
+     r"test\.csv\.gz: vertex 12 out of range for a graph with 12 nodes; ids must lie in \[0, 12\)"),
+    (lambda d: (d / "split" / "time" / "valid.csv.gz").unlink(), r"valid\.csv\.gz not found"),
+    (lambda d: (d / "raw" / "node-feat.csv.gz").write_bytes(
+        (d / "raw" / "node-feat.csv.gz").read_bytes()[:40]), r"node-feat\.csv\.gz: cannot read \(truncated or corrupt\?\)"),
+])
+def test_malformed(tmp_path, corrupt, match):
+    write_ogb(tmp_path)
+    corrupt(tmp_path)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        read_ogb_node(tmp_path)
+
+
+def test_missing_layout(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"ogbn_arxiv/raw/edge\.csv\.gz not found; expected OGB's raw layout"):
+        load("ogbn-arxiv", root=tmp_path)
+
+
+# -- plain edge lists -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_edge_list(tmp_path, compressed):
+    lines = ["# Directed graph: toy", "# FromNodeId\tToNodeId", "0\t1", "1\t2", "", "2\t0", "2\t0", "5\t5"]
+    path = tmp_path / ("e.txt.gz" if compressed else "e.txt")
+    if compressed:
+        gz(path, lines)
+    else:
+        path.write_text("\n".join(lines) + "\n")
+    g = read_edge_list(path)
+    assert g.edge_index.tolist() == [[0, 1, 2, 2, 5], [1, 2, 0, 0, 5]]  # file order, duplicates kept
+    assert g.num_nodes == 6
+    assert read_edge_list(path, num_nodes=10).num_nodes == 10
+
+
+def test_edge_list_csv_and_empty(tmp_path):
+    p = tmp_path / "e.csv"
+    p.write_text("3,4\n4,3\n")
+    assert read_edge_list(p, delimiter=",").edge_index.tolist() == [[3, 4], [4, 3]]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# nothing\n")
+    assert read_edge_list(empty).num_edges == 0
+
+
+@pytest.mark.parametrize("text, kwargs, exc, match", [
+    ("0 1 7\n", {}, ValueError, r"e\.txt: expected 2 column\(s\) per line, found 3"),
+    ("0 1\n1 -4\n", {}, ValueError, r"e\.txt: edge index -4 is negative \(found at dst\[1\]\)"),
+    ("0 1\n1 9\n", {"num_nodes": 5}, ValueError, r"e\.txt: edge index 9 out of range for a graph with 5 nodes"),
+    ("0 1\n1 2.5\n", {}, ValueError, r"e\.txt: cannot parse lines 1-2"),
+])
+def test_edge_list_errors(tmp_path, text, kwargs, exc, match):
+    p = tmp_path / "e.txt"
+    p.write_text(text)
+    with pytest.raises(exc, match=match):
+        read_edge_list(p, **kwargs)
+    with pytest.raises(FileNotFoundError, match=r"nope\.txt not found"):
+        read_edge_list(tmp_path / "nope.txt")
