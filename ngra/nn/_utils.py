@@ -131,6 +131,15 @@ class Conv(VertexProgram):
         cache[tag] = (g, out)
         return out
 
+    def __setattr__(self, name, value):
+        # Options (dropout, concat, ...) are read while tracing, so a compiled program bakes
+        # them in; changing one must drop the compiled programs. ``training`` is part of the
+        # program cache key already.
+        if not name.startswith("_") and name != "training" and "_programs" in self.__dict__ \
+                and not isinstance(value, (torch.nn.Module, torch.Tensor)):
+            self.__dict__["_programs"] = {}
+        super().__setattr__(name, value)
+
     def __getstate__(self):
         state = super().__getstate__()
         state["_graph_cache"] = {}

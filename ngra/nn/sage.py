@@ -1,0 +1,74 @@
+"""GraphSAGE (Hamilton et al., NeurIPS 2017): mean and max-pool aggregators."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..graph import Graph
+from ._utils import Conv, check_bool, check_choice, check_features, check_graph, check_int
+
+__all__ = ["SAGEConv"]
+
+
+class SAGEConv(Conv):
+    r"""GraphSAGE layer.
+
+    ``aggr="mean"``::
+
+        x_i' = W_l mean_{j -> i} x_j + b + W_r x_i
+
+    ``aggr="max"`` (GraphSAGE-pool)::
+
+        x_i' = W_l max_{j -> i} relu(W_pool x_j + b_pool) + b + W_r x_i
+
+    The max is element-wise; a vertex without in-edges aggregates zeros (so it gets
+    ``b + W_r x_i``). Shapes: ``x`` [N, in_channels] -> [N, out_channels]; ``W_pool`` is
+    [in_channels, in_channels] (the pooled width equals the input width, as in PyG).
+    With ``normalize=True`` the output rows are scaled to unit L2 norm.
+
+    Matches ``torch_geometric.nn.SAGEConv(aggr="mean")`` and
+    ``SAGEConv(aggr="max", project=True)`` (PyG's ``lin`` = ``W_pool``, ``lin_l`` = ``W_l``,
+    ``lin_r`` = ``W_r``). For the pool variant, ``relu(W_pool x_j + b_pool)`` is written in
+    ApplyEdge on ``e.src``; the compiler lifts it to the vertices, so it costs N rows, not E.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, *, aggr: str = "mean",
+                 bias: bool = True, normalize: bool = False):
+        where = type(self).__name__
+        aggr = check_choice(where, "aggr", aggr, ("mean", "max"))
+        super().__init__(gather=aggr)
+        self.aggr = aggr
+        self.in_channels = check_int(where, "in_channels", in_channels)
+        self.out_channels = check_int(where, "out_channels", out_channels)
+        self.normalize = check_bool(where, "normalize", normalize)
+        check_bool(where, "bias", bias)
+        self.lin = torch.nn.Linear(in_channels, in_channels) if aggr == "max" else None
+        self.lin_l = torch.nn.Linear(in_channels, out_channels, bias=bias)
+        self.lin_r = torch.nn.Linear(in_channels, out_channels, bias=False)
+
+    def reset_parameters(self) -> None:
+        for m in (self.lin, self.lin_l, self.lin_r):
+            if m is not None:
+                m.reset_parameters()
+
+    def _repr_args(self):
+        return [str(self.in_channels), str(self.out_channels), f"aggr={self.aggr!r}",
+                f"bias={self.lin_l.bias is not None}", f"normalize={self.normalize}"]
+
+    def prepare(self, g: Graph, x: torch.Tensor):
+        """Vertex field ``h`` = ``x`` [N, in_channels]; no edge fields."""
+        check_graph(type(self).__name__, g)
+        check_features(type(self).__name__, x, g, self.in_channels)
+        return g, {"h": x}, {}
+
+    def forward(self, g: Graph, x: torch.Tensor):
+        return self.propagate(*self.prepare(g, x))
+
+    def apply_edge(self, e):
+        x = e.src["h"]
+        return F.relu(self.lin(x)) if self.lin is not None else x
+
+    def apply_vertex(self, v, acc):
+        out = self.lin_l(acc) + self.lin_r(v.data["h"])
+        return F.normalize(out, p=2.0, dim=-1) if self.normalize else out

@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+import ngra
+from ngra.nn import GINConv
+from nn_testutil import GRAPHS, PARITY_CASES, assert_fused_matches_unfused, assert_parity, \
+    copy_weights, make_graph
+
+
+def _mlp(dtype):
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).to(dtype)
+
+
+@pytest.mark.pyg
+@pytest.mark.parametrize("graph, dtype", PARITY_CASES)
+@pytest.mark.parametrize("train_eps", [False, True])
+def test_matches_pyg(graph, dtype, train_eps):
+    pytest.importorskip("torch_geometric")
+    from torch_geometric.nn import GINConv as PygGIN
+    g = make_graph(graph)
+    torch.manual_seed(0)
+    theirs = PygGIN(_mlp(dtype), eps=0.3, train_eps=train_eps).to(dtype)
+    ours = GINConv(_mlp(dtype), eps=0.3, train_eps=train_eps).to(dtype)
+    mapping = {f"nn.{k}": f"nn.{k}" for k, _ in theirs.nn.named_parameters()}
+    mapping["eps"] = "eps"
+    if not train_eps:
+        del mapping["eps"]
+    copy_weights(ours, theirs, mapping)
+    x = torch.randn(g.num_nodes, 5, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    ei = g.edge_index
+    assert_parity(ours, theirs, lambda x: ours(g, x), lambda x: theirs(x, ei), {"x": x}, mapping, dtype)
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_fused_matches_unfused(graph):
+    g = make_graph(graph)
+    layer = GINConv(_mlp(torch.float32), eps=-0.2, train_eps=True)
+    assert_fused_matches_unfused(layer, *layer.prepare(g, torch.randn(g.num_nodes, 5)))
+
+
+def test_ir_is_one_gspmm_then_the_mlp():
+    g = make_graph("random")
+    layer = GINConv(_mlp(torch.float32))
+    prog = ngra.compile(layer, *layer.prepare(g, torch.randn(g.num_nodes, 5)))
+    text = str(prog.ir)
+    assert "%acc: vertex[N, 5] f32 = gspmm[copy_u, sum](%h)" in text
+    assert "%nn_2: vertex[N, 3] f32 = nn.2(%nn_1)" in text
+    assert prog.ir.ops().count("gspmm") == 1
+
+
+def test_eps_buffer_or_parameter():
+    fixed = GINConv(torch.nn.Identity(), eps=0.5)
+    assert [n for n, _ in fixed.named_parameters()] == []
+    assert fixed.eps.item() == 0.5
+    learned = GINConv(torch.nn.Identity(), eps=0.5, train_eps=True)
+    assert [n for n, _ in learned.named_parameters()] == ["eps"]
+
+
+def test_repr():
+    assert repr(GINConv(torch.nn.Identity())) == "GINConv(nn=Identity(), eps=0.0, train_eps=False)"
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="nn must be a torch.nn.Module"):
+        GINConv(lambda x: x)
+    with pytest.raises(TypeError, match="eps must be a finite number"):
+        GINConv(torch.nn.Identity(), eps="0")
+    with pytest.raises(TypeError, match="train_eps must be True or False"):
+        GINConv(torch.nn.Identity(), train_eps=None)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        GINConv(torch.nn.Identity())(make_graph("random"), [[1.0]])
