@@ -163,8 +163,8 @@ class Chunk:
     def csr(self):
         """The chunk as a bipartite ``kernels.CSR`` (num_src x num_dst, local ids), built once.
 
-        Its ``eids`` are positions in this chunk (0..E_ij-1): a kernel reads the chunk's edge
-        features ``e[self.eids]`` at ``csr.eids``; the original id of CSR position k is
+        Its ``eids`` are positions in this chunk (0..E_ij-1), so they index the chunk's edge
+        features ``e_chunk = e[self.eids]`` [E_ij, ...]; the original id of CSR position k is
         ``self.eids[csr.eids[k]]``. Index dtype int32 when ids and E_ij fit, else int64.
         """
         if self._csr is None:

@@ -1,4 +1,4 @@
-"""Vertex reordering for locality: identity, reverse Cuthill-McKee (scipy) and METIS k-way (pymetis).
+"""Vertex reordering for locality: identity, reverse Cuthill-McKee (scipy), METIS k-way (pymetis).
 
 A reordering renames vertices so that vertices with many edges between them get nearby ids. The
 chunk grid then cuts the new id space into contiguous intervals, so a good ordering puts most
@@ -33,21 +33,18 @@ class Ordering:
 
     __slots__ = ("perm", "inv", "method", "bounds")
 
-    def __init__(self, perm, *, method: str = "custom", bounds=None, inv=None):
+    def __init__(self, perm, *, method: str = "custom", bounds=None):
         perm = as_index_array(perm, "perm")
         n = perm.shape[0]
-        if inv is None:
-            if n and (perm.min() < 0 or perm.max() >= n):
-                raise ValueError(f"perm must be a permutation of range({n}) (got ids outside it)")
-            inv = np.full(n, -1, dtype=np.int64)
-            inv[perm] = np.arange(n, dtype=np.int64)
-            if n and inv.min() < 0:
-                missing = int(np.flatnonzero(inv < 0)[0])
-                raise ValueError(
-                    f"perm must be a permutation of range({n}): vertex {missing} does not appear"
-                )
-        else:
-            inv = as_index_array(inv, "inv")
+        if n and (perm.min() < 0 or perm.max() >= n):
+            raise ValueError(f"perm must be a permutation of range({n}) (got ids outside it)")
+        inv = np.full(n, -1, dtype=np.int64)
+        inv[perm] = np.arange(n, dtype=np.int64)
+        if n and inv.min() < 0:
+            missing = int(np.flatnonzero(inv < 0)[0])
+            raise ValueError(
+                f"perm must be a permutation of range({n}): vertex {missing} does not appear"
+            )
         if bounds is not None:
             bounds = as_index_array(bounds, "bounds")
             if (bounds.shape[0] < 2 or bounds[0] != 0 or bounds[-1] != n
@@ -61,8 +58,10 @@ class Ordering:
     @classmethod
     def identity(cls, num_nodes: int) -> "Ordering":
         num_nodes = check_count(num_nodes, "num_nodes")
-        ar = np.arange(num_nodes, dtype=np.int64)
-        return cls(ar, method="identity", inv=ar)
+        ident = cls.__new__(cls)  # perm and inv are the same array; nothing to check
+        ident.perm = ident.inv = np.arange(num_nodes, dtype=np.int64)
+        ident.method, ident.bounds = "identity", None
+        return ident
 
     @property
     def num_nodes(self) -> int:
@@ -109,8 +108,10 @@ def reorder(src, dst, num_nodes: int, *, method: str = "rcm", num_parts: int | N
             f"num_parts={num_parts} is only used by method='metis' (got method={method!r}); "
             f"leave it out"
         )
-    if method == "identity" or (num_nodes == 0 and method == "rcm"):
-        return Ordering(np.arange(num_nodes, dtype=np.int64), method=method)  # scipy RCM fails on N=0
+    if method == "identity":
+        return Ordering.identity(num_nodes)
+    if num_nodes == 0 and method == "rcm":  # scipy's RCM fails on an empty matrix
+        return Ordering(np.zeros(0, dtype=np.int64), method="rcm")
     adj = symmetrized_adjacency(src, dst, num_nodes)
     if method == "rcm":
         perm = reverse_cuthill_mckee(adj, symmetric_mode=True).astype(np.int64)

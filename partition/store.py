@@ -33,16 +33,15 @@ import re
 import secrets
 import shutil
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from ._edges import as_edges, check_count
-from .chunk_grid import (Chunk, ChunkGrid, ChunkSource, CostModel, index_dtype_for, interval_bounds,
-                   interval_of, search_num_intervals)
+from .chunk_grid import (ChunkGrid, ChunkSource, CostModel, index_dtype_for, interval_bounds,
+                         interval_of, search_num_intervals)
 from .ordering import Ordering
-from .units import format_bytes, parse_bytes
+from .units import parse_bytes
 
 __all__ = ["ChunkStore", "StoreError", "FORMAT", "FORMAT_VERSION"]
 
@@ -237,10 +236,10 @@ class ChunkStore(ChunkSource):
         - a one-shot iterable (a generator): its blocks are spilled once to temporary files
           next to the store (16 bytes per edge), and the passes read the spill.
 
-        Passes: one to check ids and count edges, one more per P tried with ``memory_budget``
-        (as in :func:`partition.grid`: budget + :class:`CostModel`), then one that writes each
-        edge straight into its slot of the memory-mapped ``src/dst/eids.npy``. Memory: O(N)
-        for the ordering, O(P**2) for chunk counts, O(block) for one block.
+        Passes: one to check ids and count edges per chunk, with ``memory_budget`` one more per
+        P tried (as in :func:`partition.grid`: budget + :class:`CostModel`), then one that
+        writes each edge straight into its slot of the memory-mapped ``src/dst/eids.npy``.
+        Memory: O(N) for the ordering, O(P**2) for chunk counts, O(block) for one block.
 
         ``ordering``: ``None`` (user ids) or an :class:`~partition.Ordering` computed beforehand
         (orderings need the whole adjacency, so none is computed from a stream). Exactly one of
@@ -272,21 +271,31 @@ class ChunkStore(ChunkSource):
             num_intervals = check_count(num_intervals, "num_intervals", minimum=1)
         budget = None if memory_budget is None else parse_bytes(memory_budget)
 
-        with _Writer(path, overwrite) as w:
-            blocks, num_edges = _replayable(edge_blocks, num_nodes, w.tmp, block_size, progress)
-            inv = ordering.inv
-            counts_for: dict[int, np.ndarray] = {}
+        inv = ordering.inv
+        counts_for: dict[int, np.ndarray] = {}
 
-            def counts_at(p: int) -> np.ndarray:
-                if p not in counts_for:
-                    bounds = interval_bounds(num_nodes, p, ordering)
-                    counts = np.zeros(p * p, dtype=np.int64)
-                    for s, d, _ in blocks("counting edges per chunk", p):
-                        key = interval_of(inv[d], bounds) * p + interval_of(inv[s], bounds)
-                        uk, uc = np.unique(key, return_counts=True)
-                        counts[uk] += uc
-                    counts_for[p] = counts
-                return counts_for[p]
+        def counter(p: int):
+            bounds = interval_bounds(num_nodes, p, ordering)
+            counts = counts_for[p] = np.zeros(p * p, dtype=np.int64)
+
+            def count(s, d):  # storage order: chunk (i, j) is entry j * P + i
+                key = interval_of(inv[d], bounds) * p + interval_of(inv[s], bounds)
+                uk, uc = np.unique(key, return_counts=True)
+                counts[uk] += uc
+            return count
+
+        def counts_at(p: int) -> np.ndarray:
+            if p not in counts_for:
+                count = counter(p)
+                for s, d, _ in blocks("counting edges per chunk", p):
+                    count(s, d)
+            return counts_for[p]
+
+        with _Writer(path, overwrite) as w:
+            # With P given, the checking pass counts the chunks too: one pass fewer.
+            observe = counter(num_intervals or 1) if budget is None else None
+            blocks, num_edges = _replayable(edge_blocks, num_nodes, w.tmp, block_size, progress,
+                                            observe)
 
             if budget is not None:
                 def peak_at(p: int) -> int:
@@ -310,9 +319,11 @@ class ChunkStore(ChunkSource):
 
 
 # ---------------------------------------------------------------------- writing helpers
-def _replayable(edge_blocks, num_nodes: int, tmp: Path, block_size: int, progress: bool):
+def _replayable(edge_blocks, num_nodes: int, tmp: Path, block_size: int, progress: bool,
+                observe=None):
     """``(blocks, E)``: ``blocks(desc, p)`` replays the validated edge stream as
-    ``(src, dst, first_edge_id)`` triples; ``E`` counted in a first, checking pass."""
+    ``(src, dst, first_edge_id)`` triples; ``E`` is counted in a first, checking pass, which
+    also calls ``observe(src, dst)`` on each block."""
     if callable(edge_blocks):
         factory = edge_blocks
     elif isinstance(edge_blocks, (list, tuple)):
@@ -350,7 +361,11 @@ def _replayable(edge_blocks, num_nodes: int, tmp: Path, block_size: int, progres
                                  "on the first; edge_blocks() must be deterministic")
 
     if factory is not None:
-        num_edges = sum(s.shape[0] for s, _, _ in checked(factory(), "checking edges", None))
+        num_edges = 0
+        for s, d, _ in checked(factory(), "checking edges", None):
+            num_edges += s.shape[0]
+            if observe is not None:
+                observe(s, d)
 
         def blocks(desc, p=None):
             return checked(factory(), f"{desc} (P={p})" if p else desc, num_edges)
@@ -363,6 +378,8 @@ def _replayable(edge_blocks, num_nodes: int, tmp: Path, block_size: int, progres
             fs.write(s.tobytes())
             fd.write(d.tobytes())
             num_edges += s.shape[0]
+            if observe is not None:
+                observe(s, d)
 
     def blocks(desc, p=None):
         if num_edges == 0:
@@ -406,7 +423,8 @@ def _scatter_edges(blocks, arrays, offsets, bounds, inv) -> None:
 
 
 class _Writer:
-    """A store being written in a hidden temporary directory, renamed into place by finish()."""
+    """A store being written in a hidden temporary directory; leaving the ``with`` block
+    commits it (manifest last, then the rename) or, on an exception, deletes it."""
 
     def __init__(self, path, overwrite: bool):
         self.path = Path(path)

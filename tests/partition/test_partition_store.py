@@ -181,15 +181,44 @@ def test_bad_edge_blocks(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("change", ["more", "fewer", "moved"])
-@pytest.mark.parametrize("on_pass", [2, 3])  # 1 checks, 2 counts, 3 writes
-def test_nondeterministic_factory_is_refused(tmp_path, change, on_pass):
-    src, dst = random_graph(20, 100, seed=1)
+def count_passes(src, dst):
     calls = []
 
     def factory():
         calls.append(1)
-        if len(calls) < on_pass:
+        yield src, dst
+
+    return calls, factory
+
+
+@pytest.mark.parametrize("budget", [None, 3_000])
+def test_number_of_passes(tmp_path, budget):
+    src, dst = random_graph(20, 100, seed=1)
+    calls, factory = count_passes(src, dst)
+    kwargs = dict(num_intervals=2) if budget is None else \
+        dict(memory_budget=budget, cost=CostModel(bytes_per_vertex=8, bytes_per_edge=16))
+    s = ChunkStore.write_from_blocks(tmp_path / "s", factory, 20, progress=False, **kwargs)
+    if budget is None:
+        assert len(calls) == 2  # check + count, then write
+    else:
+        assert s.num_intervals > 1 and len(calls) >= 3  # check, count per P tried, write
+
+
+@pytest.mark.parametrize("change", ["more", "fewer", "moved"])
+@pytest.mark.parametrize("budget", [None, 3_000])
+@pytest.mark.parametrize("on_pass", ["second", "last"])
+def test_nondeterministic_factory_is_refused(tmp_path, change, budget, on_pass):
+    src, dst = random_graph(20, 100, seed=1)
+    kwargs = dict(num_intervals=2) if budget is None else \
+        dict(memory_budget=budget, cost=CostModel(bytes_per_vertex=8, bytes_per_edge=16))
+    calls, factory = count_passes(src, dst)
+    ChunkStore.write_from_blocks(tmp_path / "ok", factory, 20, progress=False, **kwargs)
+    change_on = 2 if on_pass == "second" else len(calls)
+    calls = []
+
+    def changing():
+        calls.append(1)
+        if len(calls) < change_on:
             yield src, dst
         elif change == "more":
             yield np.concatenate([src, [0]]), np.concatenate([dst, [0]])
@@ -199,8 +228,8 @@ def test_nondeterministic_factory_is_refused(tmp_path, change, on_pass):
             yield np.concatenate([src[:-1], [(src[-1] + 10) % 20]]), dst
 
     with pytest.raises(ValueError, match="must be deterministic"):
-        ChunkStore.write_from_blocks(tmp_path / "s", factory, 20, num_intervals=2, progress=False)
-    assert list(tmp_path.iterdir()) == []
+        ChunkStore.write_from_blocks(tmp_path / "s", changing, 20, progress=False, **kwargs)
+    assert [p.name for p in tmp_path.iterdir()] == ["ok"]
 
 
 def test_streaming_write_does_not_hold_the_edge_list(tmp_path):
@@ -441,9 +470,9 @@ def crash_writer(target, edges, crash_pass):
     assert run.returncode == 3, run.stderr
 
 
-# A factory's passes: 1 checks, 2 counts, 3 writes the memory-mapped chunk files; a generator
-# is spilled in its only pass.
-@pytest.mark.parametrize("edges, crash_pass", [("blocks", 1), ("blocks", 3), ("blocks()", 1)])
+# A factory's passes with P given: 1 checks and counts, 2 writes the memory-mapped chunk files;
+# a generator is spilled in its only pass.
+@pytest.mark.parametrize("edges, crash_pass", [("blocks", 1), ("blocks", 2), ("blocks()", 1)])
 def test_crash_mid_write_never_leaves_a_valid_looking_store(tmp_path, edges, crash_pass):
     target = tmp_path / "s"
     crash_writer(target, edges, crash_pass)
@@ -459,7 +488,7 @@ def test_crash_while_overwriting_keeps_the_old_store(tmp_path):
     src, dst = random_graph(100, 300)
     ChunkStore.write_from_blocks(target, [(src, dst)], 100, num_intervals=2, progress=False)
     before = (target / "manifest.json").read_bytes()
-    crash_writer(target, "blocks", 3)
+    crash_writer(target, "blocks", 2)
     assert (target / "manifest.json").read_bytes() == before
     assert ChunkStore.open(target).num_edges == 300
 
