@@ -118,16 +118,15 @@ def download(name: str, root=None, *, mirror: str | None = None,
                     f"{url}: SHA-256 {got} does not match the expected {expected}; the download is corrupt "
                     f"or the upstream file changed. Nothing was written to {dest}"
                 )
-            if expected is None:
+            if remote.unzip_to:
+                _unzip(Path(tmp), done, url)
+            else:
+                os.replace(tmp, dest)
+            if expected is None:  # recorded only once the file was usable
                 warnings.warn(f"{url} has no pinned checksum; accepted it and recorded SHA-256 {got} in "
                               f"{root / 'SHA256SUMS'}", stacklevel=2)
                 records[remote.path] = got
                 _write_records(root, records)
-            if remote.unzip_to:
-                _unzip(Path(tmp), done, url)
-                os.unlink(tmp)
-            else:
-                os.replace(tmp, dest)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

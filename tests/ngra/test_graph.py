@@ -305,3 +305,15 @@ def test_dgl_round_trip(name):
     hetero = dgl.heterograph({("a", "r", "b"): ([0], [0]), ("b", "s", "a"): ([0], [0])})
     with pytest.raises(ValueError, match=r"from_dgl needs a homogeneous graph"):
         Graph.from_dgl(hetero)
+
+
+def test_to_simple_on_huge_vertex_ids_matches_keyed_path():
+    # num_nodes**2 overflows int64 here, so the lexicographic two-sort path runs.
+    big = 4_000_000_000
+    g = Graph([3_999_999_999, 0, 3_999_999_999, 5, 0], [1, 2, 1, 3_999_999_998, 2], num_nodes=big)
+    s, eids = g.to_simple(return_eids=True)
+    assert eids.tolist() == [0, 1, 3]
+    small = Graph([4, 0, 4, 5, 0], [1, 2, 1, 3, 2], num_nodes=6)
+    assert small.to_simple(return_eids=True)[1].tolist() == eids.tolist()
+    assert edges(g.to_undirected()) == [(3_999_999_999, 1), (0, 2), (5, 3_999_999_998), (1, 3_999_999_999),
+                                        (2, 0), (3_999_999_998, 5)]
