@@ -1,6 +1,15 @@
-"""Graphs shared by the partition tests (small, seeded)."""
+"""Graphs shared by the partition tests (small, seeded), and the optional-METIS switch."""
+
+import importlib.util
 
 import numpy as np
+import pytest
+
+# pymetis is an optional extra (ngra[partition]): METIS tests skip without it, the rest still run.
+HAVE_METIS = importlib.util.find_spec("pymetis") is not None
+needs_metis = pytest.mark.skipif(not HAVE_METIS, reason="pymetis is not installed; "
+                                 "pip install 'ngra[partition]'")
+METIS = pytest.param("metis", marks=needs_metis)
 
 
 def random_graph(num_nodes, num_edges, seed=0):

@@ -6,9 +6,7 @@ import torch
 
 from partition import Ordering, compare_orderings, format_stats_table, reorder
 from partition.ordering import symmetrized_adjacency
-from partition_testutil import edge_case_graphs, planted_partition, random_graph
-
-pytest.importorskip("pymetis")
+from partition_testutil import METIS, edge_case_graphs, needs_metis, planted_partition, random_graph
 
 
 def directed_cut(src, dst, ordering, num_intervals):
@@ -52,7 +50,7 @@ def test_ordering_rejects_bad_bounds():
         Ordering([0, 1, 2], bounds=[0, 2])
 
 
-@pytest.mark.parametrize("method", ["identity", "rcm", "metis"])
+@pytest.mark.parametrize("method", ["identity", "rcm", METIS])
 @pytest.mark.parametrize("name, src, dst, n", edge_case_graphs(), ids=lambda v: v if isinstance(v, str) else "")
 def test_reorder_edge_cases_give_permutations(method, name, src, dst, n):
     o = reorder(src, dst, n, method=method, num_parts=3 if method == "metis" else None)
@@ -79,6 +77,7 @@ def test_rcm_recovers_a_shuffled_path():
     assert np.abs(src - dst).max() > 1  # the shuffled ids were not already banded
 
 
+@needs_metis
 def test_metis_beats_identity_on_a_shuffled_planted_partition():
     src, dst, n, community = planted_partition(blocks=4, size=50, seed=0)
     o = reorder(src, dst, n, method="metis", num_parts=4, seed=0)
@@ -92,6 +91,7 @@ def test_metis_beats_identity_on_a_shuffled_planted_partition():
         assert np.bincount(community[members]).max() >= 0.9 * len(members)
 
 
+@needs_metis
 def test_metis_parts_are_contiguous_and_seeded():
     src, dst = random_graph(60, 300, seed=2)
     a = reorder(src, dst, 60, method="metis", num_parts=5, seed=7)
@@ -138,6 +138,7 @@ def test_metis_without_pymetis_says_how_to_install(monkeypatch):
         reorder(src, dst, 10, method="metis", num_parts=2)
 
 
+@needs_metis
 def test_compare_orderings_and_table():
     src, dst, n, _ = planted_partition(blocks=4, size=40, seed=1)
     rows = compare_orderings(src, dst, n, num_intervals=4)
