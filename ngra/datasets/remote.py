@@ -86,7 +86,8 @@ def download(name: str, root=None, *, mirror: str | None = None,
     - ``fetch(url, out)``: writes the bytes at ``url`` to the binary file ``out``; the default
       uses ``urllib`` with a progress bar. Inject another to use a proxy or a test double.
     - Files already present are checked, not fetched again; one whose checksum does not match
-      raises :class:`ChecksumError` unless ``force=True``, which fetches it again.
+      raises :class:`ChecksumError` unless ``force=True``, which fetches it again. An unpacked
+      OGB folder that exists is taken as it is (its zip is not kept to check against).
     """
     root = Path(root) if root is not None else default_root()
     fetch = fetch or _urllib_fetch
