@@ -311,3 +311,22 @@ def test_cost_without_budget_reports_peak():
     g = grid(src, dst, 20, num_intervals=4, cost=cost)
     assert g.peak_bytes == cost.peak(4, 5, int(g.counts.max()))
     assert repr(g).endswith(f"peak={g.peak_bytes} B)")
+
+
+def test_plot_chunk_counts():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from partition import plot_chunk_counts
+
+    g = grid([0, 1, 2, 3, 0], [1, 0, 3, 2, 0], 4, num_intervals=2)
+    ax = plot_chunk_counts(g)
+    shown = ax.images[0].get_array()
+    assert np.array_equal(shown.filled(0), g.counts)  # i rows, j columns
+    assert shown.mask.tolist() == [[False, True], [True, False]]  # empty chunks stay blank
+    assert ax.get_title() == "identity, P=2: cut 0.0%, density 0.50"
+    assert ax.get_xlabel() == "destination interval j"
+    plt.close(ax.figure)
+    with pytest.raises(TypeError, match="source must be a ChunkGrid or ChunkStore"):
+        plot_chunk_counts(g.counts)
