@@ -132,6 +132,14 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
+def out_of_range(ids: np.ndarray, n: int) -> int | None:
+    """The first offending value if some id lies outside ``[0, n)`` (the minimum if negative), else None."""
+    if ids.size == 0:
+        return None
+    lo, hi = int(ids.min()), int(ids.max())
+    return lo if lo < 0 else hi if hi >= n else None
+
+
 def default_root() -> Path:
     """Where datasets live when no ``root`` is given: ``$NGRA_DATASETS`` or ``~/.cache/ngra/datasets``."""
     return Path(os.environ.get("NGRA_DATASETS", "~/.cache/ngra/datasets")).expanduser()

@@ -18,7 +18,7 @@ import torch
 
 from ngra.graph import Graph
 
-from ._record import Dataset, per_class_split
+from ._record import Dataset, out_of_range, per_class_split
 
 __all__ = ["read_npz", "NPZ_FILES"]
 
@@ -116,8 +116,8 @@ def _csr(get, prefix: str, path: Path) -> sp.csr_matrix:
     if data.shape != indices.shape or indices.ndim != 1 or (indptr.size and indptr[-1] != indices.size):
         raise ValueError(f"{path}: {prefix}_data ({data.size}), {prefix}_indices ({indices.size}) and "
                          f"{prefix}_indptr[-1] ({int(indptr[-1]) if indptr.size else None}) must agree")
-    if indices.size and (indices.min() < 0 or indices.max() >= cols):
-        bad = int(indices.min()) if indices.min() < 0 else int(indices.max())
+    bad = out_of_range(indices, cols)
+    if bad is not None:
         raise ValueError(f"{path}: {prefix}_indices holds column {bad}, out of range for "
                          f"{prefix}_shape {[rows, cols]}; columns must lie in [0, {cols})")
     try:

@@ -19,7 +19,7 @@ import torch
 
 from ngra.graph import Graph
 
-from ._record import Dataset
+from ._record import Dataset, out_of_range
 from .text import read_table
 
 __all__ = ["read_ogb_node", "OGB_NODE"]
@@ -104,8 +104,8 @@ def _split_mask(directory: Path, split: str | None, part: str, n: int) -> torch.
         split = schemes[0]
     path = root / split / f"{part}.csv.gz"
     ids = read_table(path, dtype=np.int64, columns=1).ravel()
-    if ids.size and (ids.min() < 0 or ids.max() >= n):
-        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+    bad = out_of_range(ids, n)
+    if bad is not None:
         raise ValueError(f"{path}: vertex {bad} out of range for a graph with {n} nodes; ids must lie in [0, {n})")
     mask = torch.zeros(n, dtype=torch.bool)
     mask[torch.from_numpy(ids)] = True

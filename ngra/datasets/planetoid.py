@@ -106,8 +106,7 @@ def read_planetoid(directory, name: str) -> Dataset:
     y[:n_all] = _decode_onehot(onehot["ally"], paths["ally"])
     y[test_index] = _decode_onehot(onehot["ty"], paths["ty"])
 
-    src, dst = _adjacency(obj["graph"], paths["graph"], n)
-    graph = Graph(src, dst, n).to_undirected().remove_self_loops()
+    graph = _adjacency(obj["graph"], paths["graph"], n).to_undirected().remove_self_loops()
 
     def mask(ids):
         m = torch.zeros(n, dtype=torch.bool)
@@ -202,7 +201,7 @@ def _decode_onehot(onehot: np.ndarray, path: Path) -> np.ndarray:
     return np.where(onehot.any(axis=1), onehot.argmax(axis=1), -1).astype(np.int64)
 
 
-def _adjacency(graph, path: Path, n: int):
+def _adjacency(graph, path: Path, n: int) -> Graph:
     if not isinstance(graph, dict):
         raise ValueError(f"{path}: expected a dict of adjacency lists (got {_kind(graph)})")
     try:
@@ -210,12 +209,10 @@ def _adjacency(graph, path: Path, n: int):
         dst = np.fromiter((v for vs in graph.values() for v in vs), dtype=np.int64)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: adjacency lists must map vertex ids to lists of vertex ids ({e})") from e
-    for arr in (src, dst):
-        if arr.size and (arr.min() < 0 or arr.max() >= n):
-            bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
-            raise ValueError(f"{path}: vertex {bad} out of range for a dataset with {n} vertices "
-                             f"(ids must lie in [0, {n}), as given by allx and test.index)")
-    return src, dst
+    try:
+        return Graph(torch.from_numpy(src), torch.from_numpy(dst), n)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e} (the vertex count comes from allx and test.index)") from e
 
 
 def _kind(obj) -> str:

@@ -165,7 +165,8 @@ class _Evil:
     (lambda d: (d / "ind.citeseer.test.index").write_text("".join(f"{i}\n" for i in range(500, 517))),
      r"test vertex 500 is also one of the 520 allx vertices"),
     (lambda d: (d / "ind.citeseer.graph").write_bytes(pickle.dumps({0: [1], 1: [9999]}, protocol=2)),
-     r"ind\.citeseer\.graph: vertex 9999 out of range for a dataset with 540 vertices"),
+     r"ind\.citeseer\.graph: edge index 9999 out of range for a graph with 540 nodes; indices must lie in "
+     r"\[0, 540\) \(found at dst\[1\]; .*\) \(the vertex count comes from allx and test\.index\)"),
     (lambda d: (d / "ind.citeseer.x").write_bytes(pickle.dumps(sp.csr_matrix(np.ones((10, 6))), protocol=2)),
      r"ind\.citeseer\.x: the training rows in x/y differ from the first 10 rows of allx/ally"),
 ])
