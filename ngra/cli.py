@@ -1,0 +1,181 @@
+"""Command line: ``ngra train`` and ``ngra info`` (also ``python -m ngra``).
+
+User errors (bad values, unknown names, missing folders) print one line,
+``ngra <command>: error: <what is wrong and how to fix it>``, and exit with status 2; an
+interrupted run exits with 130 after saying where its last checkpoint is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+_EXAMPLES = """examples:
+  ngra train --model gcn --dataset cora --data-dir ../shared/datasets --seed 0 --metrics-json out.json
+  ngra train --model gat --dataset cora --data-dir ../shared/datasets --checkpoint ckpt/ --resume
+  ngra train --model gcn --dataset sbm --epochs 100
+  ngra info --dataset cora --data-dir ../shared/datasets
+"""
+
+
+class _UsageError(Exception):
+    """Raised instead of argparse's exit so main() prints one line and returns 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's default prints the usage block too
+        raise _UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .datasets import available
+    from .nn import MODELS
+    from .train import MODEL_DEFAULTS
+
+    p = _Parser(prog="ngra", description="ngra: GNN training with SAGA-NN vertex programs.",
+                epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    defaults = "\n".join(
+        f"  {name:<10} hidden {hp.hidden}{' x %d heads' % hp.heads if name == 'gat' else ''}, "
+        f"dropout {hp.dropout}, lr {hp.lr}, weight decay {hp.weight_decay} ({hp.weight_decay_on} "
+        f"layer{'s' if hp.weight_decay_on == 'all' else ''}), {hp.epochs} epochs, patience "
+        f"{hp.patience if hp.patience is not None else 'off'}"
+        for name, hp in MODEL_DEFAULTS.items())
+    t = sub.add_parser(
+        "train", help="train a model on a dataset (full graph, node classification)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a GNN for node classification. Hyperparameters left out take the "
+                    "model's defaults (after the papers for gcn and gat):\n" + defaults,
+        epilog="Ends with one line of train/val/test accuracy of the model with the best validation "
+               "score; --metrics-json writes them (fractions in [0, 1]) with epoch_time_s and "
+               "peak_memory_bytes (the process's peak resident memory, ru_maxrss).")
+    t.add_argument("--model", required=True, metavar="NAME", help=f"one of: {', '.join(MODELS)}")
+    t.add_argument("--dataset", required=True, metavar="NAME", help=f"one of: {', '.join(available())}")
+    t.add_argument("--data-dir", metavar="DIR",
+                   help="folder with planetoid/, npz/, ogb/ (default: $NGRA_DATASETS or "
+                        "~/.cache/ngra/datasets); not needed for sbm, karate")
+    t.add_argument("--epochs", type=int, help="maximum number of epochs")
+    t.add_argument("--hidden", type=int, help="hidden width (gat: per head)")
+    t.add_argument("--heads", type=int, help="attention heads (gat)")
+    t.add_argument("--num-layers", type=int, help="number of graph layers")
+    t.add_argument("--lr", type=float, help="Adam learning rate")
+    t.add_argument("--weight-decay", type=float, help="L2 penalty")
+    t.add_argument("--weight-decay-on", choices=("first", "all"),
+                   help="put the L2 penalty on the first layer only (Kipf's GCN) or on all layers")
+    t.add_argument("--dropout", type=float, help="dropout probability, in [0, 1)")
+    t.add_argument("--patience", type=int,
+                   help="stop after N epochs without improvement of validation accuracy or loss; 0: off")
+    t.add_argument("--seed", type=int, default=0, help="random seed (also the split seed of random-split "
+                                                       "datasets) (default 0)")
+    t.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default cpu)")
+    norm = t.add_mutually_exclusive_group()
+    norm.add_argument("--normalize-features", dest="normalize_features", action="store_const", const=True,
+                      help="row-normalize the features (default: for bag-of-words datasets)")
+    norm.add_argument("--raw-features", dest="normalize_features", action="store_const", const=False,
+                      help="use the features as stored")
+    t.add_argument("--memory-budget", metavar="SIZE",
+                   help="stream the graph through ngra.Engine within this memory, e.g. 2GiB")
+    t.add_argument("--num-chunks", type=int, metavar="P", help="stream the graph as P x P chunks")
+    t.add_argument("--checkpoint", metavar="DIR", help="write DIR/last.pt every --checkpoint-every epochs")
+    t.add_argument("--checkpoint-every", type=int, default=1, metavar="N", help="(default 1)")
+    t.add_argument("--resume", action="store_true", help="continue the run checkpointed in --checkpoint DIR")
+    t.add_argument("--metrics-json", metavar="FILE", help="write the final metrics (and history) as JSON")
+    t.add_argument("--log-every", type=int, default=0, metavar="N",
+                   help="print a line of loss and accuracy every N epochs (default 0: only the bar)")
+    t.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    t.set_defaults(handler=_train)
+
+    i = sub.add_parser("info", help="print statistics of a dataset")
+    i.add_argument("--dataset", required=True, metavar="NAME", help=f"one of: {', '.join(available())}")
+    i.add_argument("--data-dir", metavar="DIR", help="as for train")
+    i.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    i.set_defaults(handler=_info)
+    return p
+
+
+def _train(args) -> int:
+    from .train import TrainConfig, fit, setup
+
+    config = TrainConfig(
+        model=args.model, dataset=args.dataset, data_dir=args.data_dir, epochs=args.epochs,
+        hidden=args.hidden, heads=args.heads, num_layers=args.num_layers, dropout=args.dropout,
+        lr=args.lr, weight_decay=args.weight_decay, weight_decay_on=args.weight_decay_on,
+        patience=args.patience, seed=args.seed, device=args.device,
+        normalize_features=args.normalize_features, checkpoint=args.checkpoint, resume=args.resume,
+        checkpoint_every=args.checkpoint_every, memory_budget=args.memory_budget,
+        num_chunks=args.num_chunks, progress=args.progress, log_every=args.log_every)
+    metrics_path = Path(args.metrics_json) if args.metrics_json else None
+    if metrics_path is not None and not metrics_path.parent.is_dir():
+        raise _user("train", f"--metrics-json: folder {str(metrics_path.parent)!r} does not exist; create it "
+                    "or write the file elsewhere")
+    try:
+        model, data, fit_kwargs, engine_ctx = setup(config)
+    except (ValueError, TypeError, OSError) as e:
+        # Everything setup() raises is about what the user gave: the settings, the dataset files.
+        raise _user("train", str(e)) from e
+    try:
+        with engine_ctx:
+            result = fit(model, data, **fit_kwargs)
+    except KeyboardInterrupt:
+        where = f"; resume with --checkpoint {config.checkpoint} --resume" if config.checkpoint else ""
+        print(f"ngra train: interrupted{where}", file=sys.stderr)
+        return 130
+    except ValueError as e:
+        from .train import ConfigError
+
+        if isinstance(e, ConfigError):  # e.g. a checkpoint written for other settings
+            raise _user("train", str(e)) from e
+        raise
+    result.info.update(epochs=fit_kwargs["epochs"], lr=fit_kwargs["lr"],
+                       weight_decay=fit_kwargs["weight_decay"],
+                       weight_decay_on=fit_kwargs["weight_decay_on"], patience=fit_kwargs["patience"],
+                       device=config.device, memory_budget=config.memory_budget,
+                       num_chunks=config.num_chunks)
+    if metrics_path is not None:
+        tmp = metrics_path.with_name(f".{metrics_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        os.replace(tmp, metrics_path)
+    print(f"{config.model} on {config.dataset}: {result.summary()}")
+    return 0
+
+
+def _info(args) -> int:
+    from .train import load_dataset
+
+    try:
+        # The same loading path as training; raw features, so the numbers describe the files.
+        data = load_dataset(args.dataset, args.data_dir, normalize_features=False)
+    except (ValueError, TypeError, OSError) as e:
+        raise _user("info", str(e)) from e
+    stats = data.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    width = max(len(k) for k in stats)
+    for k, v in stats.items():
+        if isinstance(v, float):
+            v = f"{v:.3f}"
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _user(command: str, message: str) -> _UsageError:
+    return _UsageError(f"ngra {command}: error: {message}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = _parser().parse_args(argv)
+        return args.handler(args)
+    except _UsageError as e:
+        print(" ".join(str(e).split("\n")), file=sys.stderr)
+        return 2

@@ -1,0 +1,781 @@
+"""Full-graph node classification: a training loop with early stopping, checkpoints and resume.
+
+Two levels, use either:
+
+- :func:`fit` trains a model you built on a dataset record you loaded (any object with
+  ``graph``, ``x``, ``y``, ``train_mask``, ``val_mask``, ``test_mask``); it seeds nothing and
+  builds nothing, so it stays out of the way of your own setup.
+- :func:`run` does the whole job from a :class:`TrainConfig` (model and dataset by name, the
+  paper defaults of :data:`MODEL_DEFAULTS`, seeding, device, streaming engine); it is what
+  ``ngra train`` calls.
+
+Both return a :class:`TrainResult` whose accuracies are those of the model with the best
+validation score (see :func:`fit`), and leave that model in ``result.model``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import numbers
+import os
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+__all__ = ["HParams", "MODEL_DEFAULTS", "TrainConfig", "TrainResult", "ConfigError", "fit", "run",
+           "evaluate", "peak_memory_bytes", "CHECKPOINT_NAME"]
+
+CHECKPOINT_NAME = "last.pt"
+_FORMAT = "ngra-checkpoint"
+_VERSION = 1
+
+
+class ConfigError(ValueError):
+    """A setting the user gave cannot work (bad number, unknown name, missing folder, ...).
+
+    The message names the setting, the value and the fix; ``ngra train`` prints it on one line
+    and exits with status 2.
+    """
+
+
+# -- defaults ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HParams:
+    """Training hyperparameters of one model (the values ``ngra train`` uses unless overridden).
+
+    - ``hidden``: width of the hidden layers (for gat: features *per head*).
+    - ``heads``: attention heads of gat's hidden layers (other models ignore it).
+    - ``num_layers``: graph layers (ggnn: propagation steps).
+    - ``dropout``: dropout probability on every layer's input (gat: also on the attention).
+    - ``lr``, ``weight_decay``: Adam's learning rate and L2 penalty (``weight_decay * w`` added
+      to the gradient, the same as Kipf's ``weight_decay * l2_loss(w)`` term in the loss).
+    - ``weight_decay_on``: ``"first"`` puts the penalty on the first layer's parameters only
+      (Kipf & Welling's code), ``"all"`` on every parameter.
+    - ``epochs``: maximum number of epochs.
+    - ``patience``: stop after this many epochs in which neither the validation accuracy nor the
+      validation loss improved on its best so far (GAT's rule); ``None``: never stop early.
+    """
+
+    hidden: int
+    dropout: float
+    lr: float
+    weight_decay: float
+    epochs: int
+    patience: int | None
+    weight_decay_on: str = "all"
+    heads: int = 8
+    num_layers: int = 2
+
+
+_GENERIC = HParams(hidden=64, dropout=0.5, lr=0.01, weight_decay=5e-4, epochs=200, patience=None)
+
+#: Per-model defaults. gcn: Kipf & Welling (ICLR 2017): 16 hidden, dropout 0.5, lr 0.01, weight
+#: decay 5e-4 on the first layer, 200 epochs. gat: Velickovic et al. (ICLR 2018), Cora setup: 8
+#: heads x 8 hidden, dropout 0.6, lr 0.005, weight decay 5e-4, patience 100 (their epoch cap is
+#: 100,000; 1,000 is ample for the Planetoid graphs, where GAT stops after a few hundred). The
+#: other models have no paper setting for these benchmarks and share generic values: 64 hidden,
+#: dropout 0.5, lr 0.01, weight decay 5e-4, 200 epochs, no early stopping.
+MODEL_DEFAULTS: dict[str, HParams] = {
+    "gcn": HParams(hidden=16, dropout=0.5, lr=0.01, weight_decay=5e-4, epochs=200, patience=None,
+                   weight_decay_on="first"),
+    "gat": HParams(hidden=8, heads=8, dropout=0.6, lr=0.005, weight_decay=5e-4, epochs=1000,
+                   patience=100),
+    **{name: _GENERIC for name in ("sage", "sage-pool", "gin", "ggcn", "ggnn", "rgcn", "commnet")},
+}
+
+# Datasets whose features are bag-of-words counts or indicators: "auto" row-normalizes them
+# (Kipf & Welling's and GAT's preprocessing of the citation graphs). Generated and OGB
+# features are used as they are.
+_BAG_OF_WORDS = ("cora", "citeseer", "pubmed", "amazon-computers", "amazon-photo", "coauthor-cs",
+                 "coauthor-physics")
+
+
+# -- config -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything :func:`run` needs. ``None`` means "the model's default" (:data:`MODEL_DEFAULTS`).
+
+    - ``model``: a name of ``ngra.nn.MODELS``; ``dataset``: a name of ``ngra.datasets.available()``.
+    - ``data_dir``: folder with ``planetoid/``, ``npz/``, ``ogb/`` (file-based datasets only;
+      default: ``ngra.datasets.default_root()``).
+    - ``seed``: seeds torch, numpy and ``random`` before the model is built, and is the split
+      seed of datasets with a random split (Amazon, Coauthor). Generated datasets (sbm, ...)
+      keep their own fixed default seed, so every run sees the same graph.
+    - ``normalize_features``: ``None`` ("auto"): row-normalize bag-of-words datasets
+      (Planetoid, Amazon, Coauthor), leave others as they are.
+    - ``patience``: ``0`` turns early stopping off.
+    - ``checkpoint``: folder for ``last.pt``, written every ``checkpoint_every`` epochs and at the
+      end; ``resume=True`` continues from it.
+    - ``memory_budget`` (bytes or a string such as ``"2GiB"``) / ``num_chunks``: run every graph
+      layer inside ``ngra.Engine(...)``, streaming the graph chunk by chunk.
+    - ``progress``: tqdm bar; ``log_every``: also print a line every that many epochs (0: never).
+    """
+
+    model: str
+    dataset: str
+    data_dir: str | os.PathLike | None = None
+    epochs: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    num_layers: int | None = None
+    dropout: float | None = None
+    lr: float | None = None
+    weight_decay: float | None = None
+    weight_decay_on: str | None = None
+    patience: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    normalize_features: bool | None = None
+    checkpoint: str | os.PathLike | None = None
+    resume: bool = False
+    checkpoint_every: int = 1
+    memory_budget: int | str | None = None
+    num_chunks: int | None = None
+    progress: bool = True
+    log_every: int = 0
+
+    def hparams(self) -> HParams:
+        """The model's defaults with this config's overrides applied, validated."""
+        from .nn import MODELS
+
+        if self.model not in MODELS:
+            raise ConfigError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
+        base = MODEL_DEFAULTS[self.model]
+        over = {f.name: getattr(self, f.name) for f in dataclasses.fields(HParams)
+                if getattr(self, f.name) is not None}
+        if over.get("patience") == 0:
+            over["patience"] = None
+        hp = dataclasses.replace(base, **over)
+        _check_int("epochs", hp.epochs, 1, "give the number of epochs to train, e.g. --epochs 200")
+        _check_int("hidden", hp.hidden, 1, "give a layer width such as --hidden 16")
+        _check_int("heads", hp.heads, 1, "give a number of attention heads such as --heads 8")
+        _check_int("num_layers", hp.num_layers, 1, "give a number of graph layers such as --num-layers 2")
+        if hp.patience is not None:
+            _check_int("patience", hp.patience, 0, "give a number of epochs, or 0 to turn early stopping off")
+        _check_real("lr", hp.lr, "give a positive learning rate such as --lr 0.01", low=0.0, low_open=True)
+        _check_real("weight_decay", hp.weight_decay, "give 0 for none or a small value such as 5e-4", low=0.0)
+        _check_real("dropout", hp.dropout, "a dropout probability lies in [0, 1), e.g. --dropout 0.5",
+                    low=0.0, high=1.0)
+        if hp.weight_decay_on not in ("first", "all"):
+            raise ConfigError(f"weight_decay_on must be 'first' or 'all' (got {hp.weight_decay_on!r})")
+        return hp
+
+    def validate(self) -> HParams:
+        """Check every setting that needs no files; returns :meth:`hparams`."""
+        from .datasets import available
+
+        hp = self.hparams()
+        if not isinstance(self.dataset, str) or self.dataset.lower() not in available():
+            raise ConfigError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(available())}")
+        _check_int("seed", self.seed, 0, "give a non-negative integer seed such as --seed 0")
+        _check_int("checkpoint_every", self.checkpoint_every, 1, "checkpoint every N >= 1 epochs")
+        _check_int("log_every", self.log_every, 0, "give 0 (never) or a number of epochs")
+        if self.resume and self.checkpoint is None:
+            raise ConfigError("resume needs a checkpoint folder: pass --checkpoint DIR (the folder "
+                              "the interrupted run wrote its checkpoints to) together with --resume")
+        if self.num_chunks is not None:
+            _check_int("num_chunks", self.num_chunks, 1, "give a number of chunks such as --num-chunks 4")
+        if self.memory_budget is not None:
+            from partition import parse_bytes
+
+            try:
+                parse_bytes(self.memory_budget)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"memory_budget {self.memory_budget!r} is not a memory size: {e}") from e
+        _device(self.device)
+        return hp
+
+
+def _check_int(name, value, minimum, fix):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum} (got {value!r}); {fix}")
+
+
+def _check_real(name, value, fix, *, low, high=None, low_open=False):
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (high is None or value < high)
+    if not ok:
+        rng = f"> {low}" if low_open else (f">= {low}" if high is None else f"in [{low}, {high})")
+        raise ConfigError(f"{name} must be a number {rng} (got {value!r}); {fix}")
+
+
+def _device(spec) -> torch.device:
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {spec!r} is not a torch device; use 'cpu' or 'cuda' / 'cuda:0'") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {spec!r} was asked for but torch sees no CUDA GPU "
+                          f"(torch {torch.__version__}); use --device cpu")
+    return dev
+
+
+# -- results ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EpochStats:
+    """One epoch: ``loss`` is the training loss of the training step (dropout on); the
+    accuracies and ``val_loss`` come from the evaluation pass after it (dropout off)."""
+
+    epoch: int
+    loss: float
+    train_acc: float | None
+    val_acc: float | None
+    val_loss: float | None
+    time_s: float
+
+
+@dataclass(eq=False)
+class TrainResult:
+    """Outcome of :func:`fit` / :func:`run`.
+
+    - ``train_acc``, ``val_acc``, ``test_acc``: accuracies (fractions in [0, 1]) of the selected
+      model (best validation, see :func:`fit`) on each split; ``None`` for an empty split.
+    - ``best_epoch``: the epoch (1-based) whose weights were selected; ``epochs_run``: epochs
+      completed in total (resumed runs included); ``stopped_early``: patience ran out.
+    - ``epoch_time_s``: mean wall-clock seconds of one training step (forward, loss, backward,
+      optimizer step) over the epochs run in *this* call; evaluation and checkpoint writing are
+      not included. ``None`` if this call ran no epoch (a finished run resumed).
+    - ``peak_memory_bytes``: see :func:`peak_memory_bytes` (process-wide peak resident memory,
+      taken when training ended). ``peak_device_memory_bytes``: on CUDA, the peak of
+      ``torch.cuda.max_memory_allocated`` during this call, else ``None``.
+    - ``history``: one :class:`EpochStats` per epoch (resumed runs included).
+    - ``resumed_from``: the epoch the run continued from, or ``None``.
+    - ``model``: the trained model, holding the selected weights.
+    """
+
+    train_acc: float | None
+    val_acc: float | None
+    test_acc: float | None
+    best_epoch: int
+    epochs_run: int
+    stopped_early: bool
+    epoch_time_s: float | None
+    peak_memory_bytes: int | None
+    peak_device_memory_bytes: int | None
+    history: list[EpochStats]
+    resumed_from: int | None
+    model: torch.nn.Module | None = None
+    info: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """Plain-JSON summary (the ``--metrics-json`` file): the required keys first, then
+        ``best_epoch``, ``epochs_run``, ``stopped_early``, ``resumed_from``, ``info`` (the run's
+        settings) and ``history``."""
+        return {
+            "train_acc": self.train_acc, "val_acc": self.val_acc, "test_acc": self.test_acc,
+            "epoch_time_s": self.epoch_time_s, "peak_memory_bytes": self.peak_memory_bytes,
+            "peak_device_memory_bytes": self.peak_device_memory_bytes,
+            "best_epoch": self.best_epoch, "epochs_run": self.epochs_run,
+            "stopped_early": self.stopped_early, "resumed_from": self.resumed_from,
+            "info": self.info, "history": [dataclasses.asdict(h) for h in self.history],
+        }
+
+    def summary(self) -> str:
+        """One line: the three accuracies, where the model came from, time and memory."""
+        def pct(a):
+            return "n/a" if a is None else f"{100 * a:.2f}%"
+        t = "n/a" if self.epoch_time_s is None else f"{self.epoch_time_s * 1e3:.1f} ms/epoch"
+        mem = "n/a" if self.peak_memory_bytes is None else f"{self.peak_memory_bytes / 2**20:.0f} MiB"
+        stop = ", stopped early" if self.stopped_early else ""
+        return (f"train_acc {pct(self.train_acc)}  val_acc {pct(self.val_acc)}  test_acc "
+                f"{pct(self.test_acc)}  (best epoch {self.best_epoch} of {self.epochs_run}{stop}; "
+                f"{t}; peak RSS {mem})")
+
+    def __repr__(self) -> str:
+        return f"TrainResult({self.summary()})"
+
+
+def peak_memory_bytes() -> int | None:
+    """Peak resident set size of this process so far, in bytes, as the OS counts it.
+
+    This is ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (KiB on Linux, bytes on macOS),
+    converted to bytes: the largest amount of physical memory the process has held at any time
+    since it started, so it includes the Python interpreter, torch, the dataset and earlier work
+    in the same process, not only training; it never decreases. It does not count GPU memory.
+    ``None`` where ``resource`` has no ``ru_maxrss`` (Windows).
+    """
+    try:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (AttributeError, OSError):  # pragma: no cover - platforms without getrusage
+        return None
+    return int(rss) if sys.platform == "darwin" else int(rss) * 1024
+
+
+# -- the loop ---------------------------------------------------------------------------------
+
+@dataclass
+class _Data:
+    graph: Any
+    x: torch.Tensor
+    y: torch.Tensor
+    idx: dict  # split name -> LongTensor of vertex ids
+
+
+def _prepare_data(data, device: torch.device) -> _Data:
+    name = getattr(data, "name", type(data).__name__)
+    for attr in ("graph", "x", "y", "train_mask"):
+        if getattr(data, attr, None) is None:
+            raise ConfigError(f"dataset {name!r} has no {attr}; training needs a graph, features x, "
+                              "labels y and a train_mask (graph-only datasets such as 'rmat' cannot "
+                              "be trained on)")
+    idx = {}
+    for split in ("train", "val", "test"):
+        mask = getattr(data, f"{split}_mask", None)
+        idx[split] = (torch.zeros(0, dtype=torch.int64) if mask is None
+                      else mask.nonzero().squeeze(1)).to(device)
+    if idx["train"].numel() == 0:
+        raise ConfigError(f"dataset {name!r} has an empty training split; nothing to train on")
+    return _Data(data.graph.to(device), data.x.to(device), data.y.to(device), idx)
+
+
+def evaluate(model: torch.nn.Module, data, *, forward_kwargs: dict | None = None) -> dict:
+    """Accuracy and loss of ``model`` (in eval mode, no gradients) on each split of ``data``.
+
+    Returns ``{"train_acc", "val_acc", "test_acc", "train_loss", "val_loss", "test_loss"}``;
+    a split with no vertices gets ``None``. ``data`` is a dataset record (see :func:`fit`).
+    """
+    device = _model_device(model)
+    d = data if isinstance(data, _Data) else _prepare_data(data, device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(d.graph, d.x, **(forward_kwargs or {}))
+    finally:
+        model.train(was_training)
+    res = {}
+    for split, ids in d.idx.items():
+        if ids.numel() == 0:
+            res[f"{split}_acc"] = res[f"{split}_loss"] = None
+            continue
+        logits = out[ids]
+        res[f"{split}_acc"] = float((logits.argmax(1) == d.y[ids]).float().mean())
+        res[f"{split}_loss"] = float(F.cross_entropy(logits, d.y[ids]))
+    return res
+
+
+def _model_device(model) -> torch.device:
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+class _Stopper:
+    """Model selection and early stopping on validation, after GAT's reference code.
+
+    An epoch *improves* if its validation accuracy is >= the best so far or its validation
+    loss is <= the lowest so far; ``patience`` epochs in a row without improving stop training.
+    The weights are *selected* (snapshotted) at epochs where both hold at once. Without
+    validation vertices the last epoch is selected and patience must be off.
+    """
+
+    def __init__(self, patience: int | None):
+        self.patience = patience
+        self.best_acc = -math.inf
+        self.best_loss = math.inf
+        self.bad_epochs = 0
+        self.best_epoch = 0
+        self.best_state: dict | None = None
+
+    def update(self, epoch: int, val_acc, val_loss, model) -> bool:
+        """Record ``epoch``; returns True when training should stop."""
+        if val_acc is None:
+            self.best_epoch, self.best_state = epoch, _copy_state(model)
+            return False
+        acc_ok, loss_ok = val_acc >= self.best_acc, val_loss <= self.best_loss
+        if acc_ok and loss_ok:
+            self.best_epoch, self.best_state = epoch, _copy_state(model)
+        if acc_ok or loss_ok:
+            self.best_acc = max(self.best_acc, val_acc)
+            self.best_loss = min(self.best_loss, val_loss)
+            self.bad_epochs = 0
+            return False
+        self.bad_epochs += 1
+        return self.patience is not None and self.bad_epochs >= self.patience
+
+    def state_dict(self) -> dict:
+        return {"best_acc": self.best_acc, "best_loss": self.best_loss, "bad_epochs": self.bad_epochs,
+                "best_epoch": self.best_epoch, "best_state": self.best_state}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.best_acc, self.best_loss = float(s["best_acc"]), float(s["best_loss"])
+        self.bad_epochs, self.best_epoch = int(s["bad_epochs"]), int(s["best_epoch"])
+        self.best_state = s["best_state"]
+
+
+def _copy_state(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _param_groups(model, weight_decay: float, weight_decay_on: str):
+    if weight_decay_on == "all" or weight_decay == 0:
+        return [{"params": list(model.parameters()), "weight_decay": weight_decay}]
+    first = getattr(model, "encoder", None) or (getattr(model, "layers", None) or [None])[0]
+    if not isinstance(first, torch.nn.Module):
+        raise ConfigError(f"weight_decay_on='first' needs a model with a first layer (an ngra.nn.GNN "
+                          f"from build_model); {type(model).__name__} has neither .encoder nor "
+                          "non-empty .layers; use weight_decay_on='all'")
+    first_ids = {id(p) for p in first.parameters()}
+    return [{"params": [p for p in model.parameters() if id(p) in first_ids], "weight_decay": weight_decay},
+            {"params": [p for p in model.parameters() if id(p) not in first_ids], "weight_decay": 0.0}]
+
+
+def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: float = 0.0,
+        weight_decay_on: str = "all", patience: int | None = None,
+        forward_kwargs: dict | None = None, checkpoint: str | os.PathLike | None = None,
+        resume: bool = False, checkpoint_every: int = 1, progress: bool = True, log_every: int = 0,
+        on_epoch: Callable[[EpochStats], None] | None = None, run_info: dict | None = None,
+        desc: str = "train") -> TrainResult:
+    """Train ``model`` for node classification on ``data`` with Adam and cross-entropy.
+
+    ``data`` has ``graph`` (ngra.Graph), ``x`` [N, F], ``y`` [N] int64 and bool masks [N]
+    ``train_mask`` / ``val_mask`` / ``test_mask`` (an :class:`ngra.datasets.Dataset`); it is
+    moved to the model's device. ``model(graph, x, **forward_kwargs)`` must return logits
+    [N, C]. Per epoch: one training step on the full graph (loss = mean cross-entropy over the
+    training vertices), then one evaluation pass (see :func:`evaluate`).
+
+    Model selection and early stopping follow GAT's code (see ``_Stopper``): the weights of the
+    last epoch at which validation accuracy and loss were both at their best so far are
+    restored at the end; ``patience`` (None: off) stops after that many epochs without either
+    improving. ``weight_decay_on="first"`` applies ``weight_decay`` to the first layer only.
+
+    Checkpoints: with ``checkpoint=DIR``, ``DIR/last.pt`` is written every ``checkpoint_every``
+    epochs and at the end, atomically (a temporary file, fsync, then ``os.replace``). It holds
+    the model, the optimizer, the epoch, the torch/CUDA/numpy/``random`` RNG states, the
+    early-stopping state (with the selected weights) and the history. ``resume=True`` continues
+    from it; on the CPU a run killed and resumed ends with exactly the weights of an
+    uninterrupted run with the same seed. A checkpoint is refused if it was written for other
+    settings (``lr``, ``weight_decay``, ``patience``, parameter shapes and ``run_info``);
+    ``epochs`` may differ, to train a finished run further. Without ``resume`` a folder that
+    already holds a checkpoint is refused rather than overwritten.
+
+    ``on_epoch(stats)`` is called after each epoch (after its checkpoint is written); an
+    exception raised there ends training, e.g. to stop from outside.
+
+    Seeds are not set here; seed torch (and numpy, ``random``) before building the model.
+    """
+    _check_int("epochs", epochs, 1, "give the number of epochs to train")
+    _check_real("lr", lr, "give a positive learning rate", low=0.0, low_open=True)
+    _check_real("weight_decay", weight_decay, "give 0 for none", low=0.0)
+    if patience is not None:
+        _check_int("patience", patience, 1, "or None for no early stopping")
+    _check_int("checkpoint_every", checkpoint_every, 1, "checkpoint every N >= 1 epochs")
+    if resume and checkpoint is None:
+        raise ConfigError("resume=True needs checkpoint=DIR, the folder of the interrupted run")
+    device = _model_device(model)
+    d = _prepare_data(data, device)
+    kwargs = dict(forward_kwargs or {})
+    optimizer = torch.optim.Adam(_param_groups(model, weight_decay, weight_decay_on), lr=lr)
+    stopper = _Stopper(patience)
+    fingerprint = {"lr": float(lr), "weight_decay": float(weight_decay), "weight_decay_on": weight_decay_on,
+                   "patience": patience, "params": {k: list(v.shape) for k, v in model.state_dict().items()},
+                   **(run_info or {})}
+
+    ckpt_path = None
+    history: list[EpochStats] = []
+    start, finished, resumed_from = 0, False, None
+    if checkpoint is not None:
+        ckpt_path = check_checkpoint_dir(checkpoint, resume=resume)
+        if resume:
+            state = _load_checkpoint(ckpt_path)
+            _check_fingerprint(state["fingerprint"], fingerprint, ckpt_path)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            stopper.load_state_dict(state["stopper"])
+            _set_rng_state(state["rng"])
+            history = [EpochStats(**h) for h in state["history"]]
+            start = resumed_from = int(state["epoch"])
+            finished = bool(state["stopped_early"])
+
+    def save(epoch, stopped):
+        if ckpt_path is not None:
+            _save_checkpoint(ckpt_path, {
+                "format": _FORMAT, "version": _VERSION, "epoch": epoch, "stopped_early": stopped,
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "stopper": stopper.state_dict(), "rng": _get_rng_state(),
+                "history": [dataclasses.asdict(h) for h in history], "fingerprint": fingerprint})
+
+    step_times = []
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    stopped = finished
+    epoch = start
+    bar = tqdm(total=epochs, initial=min(start, epochs), desc=desc, unit="epoch", leave=False,
+               disable=None if progress else True, dynamic_ncols=True)
+    try:
+        for epoch in range(start + 1, epochs + 1):
+            if stopped:
+                break
+            t0 = time.perf_counter()
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            out = model(d.graph, d.x, **kwargs)
+            loss = F.cross_entropy(out[d.idx["train"]], d.y[d.idx["train"]])
+            loss.backward()
+            optimizer.step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            loss_value = float(loss.detach())
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"the training loss became {loss_value} at epoch {epoch}; "
+                                         "lower the learning rate (lr) or check the features for inf/nan")
+            ev = evaluate(model, d, forward_kwargs=kwargs)
+            stats = EpochStats(epoch, loss_value, ev["train_acc"], ev["val_acc"], ev["val_loss"], dt)
+            history.append(stats)
+            stopped = stopper.update(epoch, ev["val_acc"], ev["val_loss"], model)
+            if epoch % checkpoint_every == 0 or stopped or epoch == epochs:
+                save(epoch, stopped)
+            bar.update(1)
+            bar.set_postfix_str(_fmt_stats(stats), refresh=False)
+            if log_every and (epoch % log_every == 0 or stopped or epoch == epochs):
+                bar.write(f"epoch {epoch:5d}  {_fmt_stats(stats)}")
+            if on_epoch is not None:
+                on_epoch(stats)
+    finally:
+        bar.close()
+
+    if stopper.best_state is not None:
+        model.load_state_dict(stopper.best_state)
+    final = evaluate(model, d, forward_kwargs=kwargs)
+    return TrainResult(
+        train_acc=final["train_acc"], val_acc=final["val_acc"], test_acc=final["test_acc"],
+        best_epoch=stopper.best_epoch, epochs_run=len(history), stopped_early=stopped,
+        epoch_time_s=sum(step_times) / len(step_times) if step_times else None,
+        peak_memory_bytes=peak_memory_bytes(),
+        peak_device_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if cuda else None,
+        history=history, resumed_from=resumed_from, model=model, info=dict(run_info or {}))
+
+
+def _fmt_stats(s: EpochStats) -> str:
+    def f(v):
+        return "  n/a " if v is None else f"{v:.4f}"
+    return f"loss {s.loss:.4f}  train {f(s.train_acc)}  val {f(s.val_acc)}"
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+def check_checkpoint_dir(directory, *, resume: bool) -> Path:
+    """Path of the checkpoint file in ``directory``, after checking the folder suits the run.
+
+    Creates the folder if needed. Raises :class:`ConfigError` if it is a file, if ``resume``
+    is asked but there is no checkpoint, or if there is one and ``resume`` is not asked.
+    """
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"checkpoint folder {d} is a file; give a folder (it is created if missing)")
+    path = d / CHECKPOINT_NAME
+    if resume and not path.is_file():
+        raise ConfigError(f"resume asked but {path} does not exist; check the --checkpoint folder, "
+                          "or drop --resume to start a new run there")
+    if not resume and path.exists():
+        raise ConfigError(f"{path} already holds a checkpoint; pass --resume to continue that run, "
+                          "or choose another --checkpoint folder (or delete it) to start afresh")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create checkpoint folder {d}: {e}") from e
+    return path
+
+
+def _save_checkpoint(path: Path, state: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    # The rename itself is durable only once the folder's entry is on disk.
+    with contextlib.suppress(OSError):
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _load_checkpoint(path: Path) -> dict:
+    try:
+        # weights_only: a checkpoint is data; loading one must not run code from it.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ConfigError(f"{path} is not a readable ngra checkpoint ({type(e).__name__}: {e}); "
+                          "delete it or choose another --checkpoint folder") from e
+    if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        raise ConfigError(f"{path} is not an ngra checkpoint; choose another --checkpoint folder")
+    if state.get("version") != _VERSION:
+        raise ConfigError(f"{path} has checkpoint version {state.get('version')!r}; this ngra reads "
+                          f"version {_VERSION}")
+    return state
+
+
+def _check_fingerprint(saved: dict, now: dict, path: Path) -> None:
+    diff = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if diff:
+        parts = "; ".join(f"{k}: checkpoint {_short(saved.get(k))}, now {_short(now.get(k))}" for k in diff)
+        raise ConfigError(f"{path} was written by a run with other settings ({parts}); resume with "
+                          "the same settings, or use another --checkpoint folder")
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def _get_rng_state() -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuple(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(v):
+    return tuple(_as_tuple(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+# -- the whole job ----------------------------------------------------------------------------
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), numpy's global generator and ``random``."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_dataset(name: str, data_dir=None, *, seed: int = 0, normalize_features: bool | None = None):
+    """``ngra.datasets.load(name, data_dir)`` with the trainer's conventions: ``seed`` is the
+    split seed of random-split datasets (npz), ``normalize_features=None`` row-normalizes
+    bag-of-words datasets. Missing files or folders raise :class:`ConfigError`."""
+    from . import datasets
+    from .datasets.npz import NPZ_FILES
+
+    if not isinstance(name, str):
+        raise ConfigError(f"dataset must be a name (got {name!r}); see ngra.datasets.available()")
+    name = name.lower()
+    if data_dir is not None and name not in ("sbm", "karate", "rmat"):
+        root = Path(data_dir)
+        if not root.is_dir():
+            raise ConfigError(f"data directory {str(root)!r} does not exist or is not a folder; pass "
+                              "--data-dir the folder that holds planetoid/, npz/ or ogb/ (for "
+                              "example ../shared/datasets)")
+    normalize = name in _BAG_OF_WORDS if normalize_features is None else normalize_features
+    options = {"seed": seed} if name in NPZ_FILES else {}
+    try:
+        return datasets.load(name, data_dir, normalize_features=normalize, **options)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{e}; or pass --data-dir the folder that holds it") from e
+
+
+def build(config: TrainConfig, data, hp: HParams | None = None):
+    """``(model, forward_kwargs)`` for ``config`` on ``data``, built after seeding."""
+    from .nn import build_model
+
+    hp = hp or config.hparams()
+    extra, kwargs = {}, {}
+    if config.model == "rgcn":
+        # Loaded datasets carry no edge types: every edge gets relation 0 (one relation),
+        # which makes R-GCN a mean-aggregating layer with a root weight.
+        extra["num_relations"] = 1
+        kwargs["edge_type"] = torch.zeros(data.graph.num_edges, dtype=torch.int64)
+    seed_everything(config.seed)
+    model = build_model(config.model, data.num_features, hp.hidden, data.num_classes,
+                        num_layers=hp.num_layers, dropout=hp.dropout, heads=hp.heads, **extra)
+    return model, kwargs
+
+
+def _engine_context(config: TrainConfig):
+    if config.memory_budget is None and config.num_chunks is None:
+        return contextlib.nullcontext()
+    import ngra
+
+    Engine = getattr(ngra, "Engine", None)
+    if Engine is None:
+        raise ConfigError("memory_budget / num_chunks need the streaming engine (ngra.Engine), which "
+                          "this version of ngra does not have yet; leave --memory-budget and "
+                          "--num-chunks out to train in memory")
+    from partition import parse_bytes
+
+    budget = None if config.memory_budget is None else parse_bytes(config.memory_budget)
+    return Engine(memory_budget=budget, num_chunks=config.num_chunks)
+
+
+def setup(config: TrainConfig):
+    """Everything before the first epoch: validate, check the checkpoint folder, load the data,
+    build the model. Returns ``(model, data, fit_kwargs, engine_context)``. Every user error
+    raises :class:`ConfigError`."""
+    hp = config.validate()
+    if config.checkpoint is not None:
+        check_checkpoint_dir(config.checkpoint, resume=config.resume)
+    engine_ctx = _engine_context(config)
+    data = load_dataset(config.dataset, config.data_dir, seed=config.seed,
+                        normalize_features=config.normalize_features)
+    if data.y is None or data.train_mask is None:
+        raise ConfigError(f"dataset {config.dataset!r} has no labels or no training split; "
+                          "choose a labelled dataset (see `ngra info --dataset NAME`)")
+    if hp.patience is not None and (data.val_mask is None or not bool(data.val_mask.any())):
+        raise ConfigError(f"dataset {config.dataset!r} has no validation vertices, so early stopping "
+                          f"(patience={hp.patience}) cannot work; pass --patience 0")
+    model, kwargs = build(config, data, hp)
+    device = _device(config.device)
+    model = model.to(device)
+    kwargs = {k: v.to(device) for k, v in kwargs.items()}
+    run_info = {"model": config.model, "dataset": config.dataset.lower(), "seed": config.seed,
+                "hidden": hp.hidden, "num_layers": hp.num_layers, "dropout": hp.dropout,
+                "normalize_features": config.normalize_features}
+    if config.model == "gat":
+        run_info["heads"] = hp.heads
+    fit_kwargs = dict(epochs=hp.epochs, lr=hp.lr, weight_decay=hp.weight_decay,
+                      weight_decay_on=hp.weight_decay_on, patience=hp.patience, forward_kwargs=kwargs,
+                      checkpoint=config.checkpoint, resume=config.resume,
+                      checkpoint_every=config.checkpoint_every, progress=config.progress,
+                      log_every=config.log_every, run_info=run_info,
+                      desc=f"{config.model} on {config.dataset}")
+    return model, data, fit_kwargs, engine_ctx
+
+
+def run(config: TrainConfig, *, on_epoch: Callable[[EpochStats], None] | None = None) -> TrainResult:
+    """Load ``config.dataset``, build ``config.model`` with the model's defaults
+    (:data:`MODEL_DEFAULTS`) overridden by the config, seed, and :func:`fit` it (inside
+    ``ngra.Engine`` when ``memory_budget`` / ``num_chunks`` are set)."""
+    model, data, fit_kwargs, engine_ctx = setup(config)
+    with engine_ctx:
+        result = fit(model, data, on_epoch=on_epoch, **fit_kwargs)
+    result.info.update(epochs=fit_kwargs["epochs"], lr=fit_kwargs["lr"],
+                       weight_decay=fit_kwargs["weight_decay"],
+                       weight_decay_on=fit_kwargs["weight_decay_on"], patience=fit_kwargs["patience"],
+                       device=config.device, memory_budget=config.memory_budget,
+                       num_chunks=config.num_chunks)
+    return result
