@@ -23,6 +23,19 @@ GRAPHS = [*EDGE_CASES, "random"]
 # (graph, dtype) pairs for parity tests: every graph in float32, the two richest in float64 too.
 PARITY_CASES = [(g, torch.float32) for g in GRAPHS] + \
     [(g, torch.float64) for g in ("self_loops", "random")]
+# Fewer cases for a layer's secondary variants (options), to keep the suite fast.
+SECONDARY_CASES = [("self_loops", torch.float32), ("multi_edges", torch.float32),
+                   ("random", torch.float64)]
+# Graphs for the fused-vs-unfused checks.
+FUSE_GRAPHS = ["empty", "isolated", "self_loops", "multi_edges", "random"]
+
+
+def variant_cases(variants):
+    """``(variant, graph, dtype)``: the first variant on every parity case, the others on
+    :data:`SECONDARY_CASES`."""
+    first, *rest = variants
+    return [(first, g, d) for g, d in PARITY_CASES] + \
+        [(v, g, d) for v in rest for g, d in SECONDARY_CASES]
 
 
 def make_graph(name: str, seed: int = 0) -> ngra.Graph:
@@ -101,8 +114,9 @@ def assert_parity(ours, theirs, run_ours, run_theirs, inputs: dict, mapping: dic
     return out_a
 
 
-def assert_fused_matches_unfused(layer, g, vdata, edata, dtype=torch.float32):
-    """The optimized and the raw IR give the same outputs and gradients."""
+def assert_fused_matches_unfused(layer, g, vdata, edata, dtype=torch.float32, seed=0):
+    """The optimized and the raw IR give the same outputs and gradients (the RNG is reseeded
+    before each run, so random ops such as dropout draw the same numbers)."""
     prog = ngra.compile(layer, g, vdata, edata)
     assert not prog.eager, prog.reason
     tol = tolerances(dtype)
@@ -111,6 +125,7 @@ def assert_fused_matches_unfused(layer, g, vdata, edata, dtype=torch.float32):
         vd = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in vdata.items()}
         ed = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in edata.items()}
         layer.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
         out = prog.run(g, vd, ed, fused=fused)
         probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
         (out * probe).sum().backward()

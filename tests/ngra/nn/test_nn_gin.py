@@ -3,7 +3,7 @@ import torch
 
 import ngra
 from ngra.nn import GINConv
-from nn_testutil import GRAPHS, PARITY_CASES, assert_fused_matches_unfused, assert_parity, \
+from nn_testutil import FUSE_GRAPHS, variant_cases, assert_fused_matches_unfused, assert_parity, \
     copy_weights, make_graph
 
 
@@ -12,8 +12,7 @@ def _mlp(dtype):
 
 
 @pytest.mark.pyg
-@pytest.mark.parametrize("graph, dtype", PARITY_CASES)
-@pytest.mark.parametrize("train_eps", [False, True])
+@pytest.mark.parametrize("train_eps, graph, dtype", variant_cases([False, True]))
 def test_matches_pyg(graph, dtype, train_eps):
     pytest.importorskip("torch_geometric")
     from torch_geometric.nn import GINConv as PygGIN
@@ -31,7 +30,7 @@ def test_matches_pyg(graph, dtype, train_eps):
     assert_parity(ours, theirs, lambda x: ours(g, x), lambda x: theirs(x, ei), {"x": x}, mapping, dtype)
 
 
-@pytest.mark.parametrize("graph", GRAPHS)
+@pytest.mark.parametrize("graph", FUSE_GRAPHS)
 def test_fused_matches_unfused(graph):
     g = make_graph(graph)
     layer = GINConv(_mlp(torch.float32), eps=-0.2, train_eps=True)
