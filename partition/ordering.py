@@ -74,7 +74,11 @@ class Ordering:
 
     def relabel(self, ids) -> np.ndarray:
         """Original ids -> new ids (``inv[ids]``), e.g. ``relabel(src)``."""
-        return self.inv[as_index_array(ids, "ids")]
+        return self.relabel_array(as_index_array(ids, "ids"))
+
+    def relabel_array(self, ids: np.ndarray) -> np.ndarray:
+        """``relabel`` for a checked int64 array; the identity returns ``ids`` itself."""
+        return ids if self.perm is self.inv else self.inv[ids]
 
     def __repr__(self) -> str:
         parts = "" if self.bounds is None else f", num_parts={self.num_parts}"
