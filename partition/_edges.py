@@ -17,7 +17,7 @@ def check_count(value, name: str, *, minimum: int = 0) -> int:
 
 
 def as_index_array(x, name: str) -> np.ndarray:
-    """A 1-D integer array as int64 numpy (torch tensors are moved to host, not copied if possible)."""
+    """A 1-D integer array as int64 numpy (torch tensors are moved to host; no copy if int64)."""
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor, without importing torch here
         x = x.detach().cpu().numpy()
     arr = np.asarray(x)

@@ -131,7 +131,7 @@ def reorder(src, dst, num_nodes: int, *, method: str = "rcm", num_parts: int | N
 
 
 def symmetrized_adjacency(src: np.ndarray, dst: np.ndarray, num_nodes: int) -> sp.csr_matrix:
-    """[N, N] CSR of the undirected simple graph; entry (u, v) = number of input edges u->v or v->u."""
+    """[N, N] CSR of the undirected simple graph; entry (u, v) counts input edges u->v and v->u."""
     keep = src != dst
     s, d = src[keep], dst[keep]
     rows = np.concatenate([s, d])
@@ -168,7 +168,7 @@ def _metis_parts(adj: sp.csr_matrix, num_nodes: int, num_parts: int, seed: int) 
         result = pymetis.part_graph(num_parts, xadj=xadj, adjncy=adjncy,
                                     eweights=eweights, options=options)
     parts = np.asarray(result[1], dtype=np.int64)
-    if parts.shape != (num_nodes,) or (parts.size and (parts.min() < 0 or parts.max() >= num_parts)):
+    if parts.shape != (num_nodes,) or parts.min() < 0 or parts.max() >= num_parts:
         raise RuntimeError(
             f"pymetis returned an invalid partition (shape {parts.shape}, expected ({num_nodes},) "
             f"with parts in [0, {num_parts}))"

@@ -575,7 +575,7 @@ class _Writer:
                 if block.shape[1:] != mm.shape[1:] or block.dtype != mm.dtype:
                     raise ValueError(
                         f"vertex array {name!r}: block at row {lo} has shape {block.shape} and "
-                        f"dtype {block.dtype}; expected [rows, {', '.join(map(str, mm.shape[1:]))}] "
+                        f"dtype {block.dtype}; expected shape (rows, *{mm.shape[1:]}) and dtype "
                         f"{mm.dtype} like the first block")
                 hi = lo + block.shape[0]
                 if hi > n:
@@ -606,7 +606,8 @@ class _Writer:
         try:
             if self.path.exists() or self.path.is_symlink():
                 _check_replaceable(self.path)
-                old = self.path.parent / f".{self.path.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+                token = f"{os.getpid()}-{secrets.token_hex(4)}"
+                old = self.path.parent / f".{self.path.name}.old-{token}"
                 os.rename(self.path, old)
                 os.rename(self.tmp, self.path)
                 shutil.rmtree(old, ignore_errors=True)
@@ -726,8 +727,10 @@ def _check_manifest(mpath: Path, m: dict) -> None:
     if (not isinstance(bounds, list) or len(bounds) != p + 1
             or not all(isinstance(b, int) for b in bounds)
             or bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in zip(bounds, bounds[1:]))):
+        shown = bounds if not isinstance(bounds, list) or len(bounds) < 12 \
+            else str(bounds[:12])[:-1] + ", ...]"
         bad(f"bounds must be {p + 1} non-decreasing ints from 0 to num_nodes={n} for "
-            f"num_intervals={p} (got {bounds if not isinstance(bounds, list) or len(bounds) < 12 else str(bounds[:12]) + '...'})")
+            f"num_intervals={p} (got {shown})")
     try:
         idx = np.dtype(m.get("index_dtype"))
     except TypeError as e:
@@ -761,8 +764,8 @@ def _check_manifest(mpath: Path, m: dict) -> None:
             bad(f"files has no entry for {rel}")
         info = files[rel]
         if not isinstance(info, dict) or info.get("shape") != shape:
-            bad(f"{rel} is listed with shape {info.get('shape') if isinstance(info, dict) else info!r}; "
-                f"N={n}, E={e}, P={p} require {shape}")
+            listed = info.get("shape") if isinstance(info, dict) else info
+            bad(f"{rel} is listed with shape {listed!r}; N={n}, E={e}, P={p} require {shape}")
         try:
             listed = np.dtype(info.get("dtype"))
         except TypeError as err:
@@ -780,7 +783,8 @@ def _check_manifest(mpath: Path, m: dict) -> None:
             bad(f"vertex/{v}.npy is listed with shape {shape!r}; its first dimension must be "
                 f"num_nodes={n}")
     for rel, info in files.items():
-        if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or not isinstance(info.get("sha256"), str):
+        if not (isinstance(info, dict) and isinstance(info.get("bytes"), int)
+                and isinstance(info.get("sha256"), str)):
             bad(f"{rel} needs an int 'bytes' and a str 'sha256' entry")
 
 

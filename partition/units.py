@@ -50,7 +50,8 @@ def parse_bytes(value) -> int:
     if m is None or unit not in _UNITS:
         hint = ""
         if unit is not None and unit in {"k", "m", "g", "t", "p"}:
-            hint = f" ('{m.group(3)}' is ambiguous: write '{m.group(3).upper()}B' or '{m.group(3).upper()}iB')"
+            u = m.group(3).upper()
+            hint = f" ('{m.group(3)}' is ambiguous: write '{u}B' or '{u}iB')"
         raise ValueError(f"cannot parse memory size {value!r}{hint}; expected {_EXAMPLE}")
     try:
         scaled = float(f"{m.group(1)}e{m.group(2) or 0}") * _UNITS[unit]
@@ -66,7 +67,8 @@ def parse_bytes(value) -> int:
 def format_bytes(num: int) -> str:
     """``format_bytes(1610612736) == '1.50 GiB'``: binary units, for messages and tables."""
     num = int(num)
-    for unit, scale in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20),
+                        ("KiB", 2**10)):
         if abs(num) >= scale:
             return f"{num / scale:.2f} {unit}"
     return f"{num} B"

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from partition import ChunkGrid, CostModel, GridStats, Ordering, grid, reorder
-from partition.chunk_grid import TABLE_BYTES_PER_CHUNK
+from partition.chunk_grid import TABLE_BYTES_PER_CHUNK, chunk_order, interval_bounds, interval_of
 from partition_testutil import (HAVE_METIS, METIS, edge_case_graphs, needs_metis,
                                 planted_partition, random_graph)
 
@@ -330,3 +330,29 @@ def test_plot_chunk_counts():
     plt.close(ax.figure)
     with pytest.raises(TypeError, match="source must be a ChunkGrid or ChunkStore"):
         plot_chunk_counts(g.counts)
+
+
+@pytest.mark.parametrize("p", [1, 7, 256, 257, 300, 70_000])  # one 16-bit pass, two, int64 key
+def test_chunk_order_is_a_stable_sort_by_chunk_key(p):
+    rng = np.random.default_rng(p)
+    iv_src, iv_dst = rng.integers(0, p, 3000), rng.integers(0, p, 3000)
+    iv_src[:100], iv_dst[:100] = p - 1, p - 1  # the largest key, many ties
+    key = iv_dst * p + iv_src
+    assert np.array_equal(chunk_order(iv_src, iv_dst, p), np.argsort(key, kind="stable"))
+
+
+@given(n=st.integers(0, 300), p=st.integers(1, 400), seed=st.integers(0, 5))
+@FAST
+def test_interval_of_matches_binary_search(n, p, seed):
+    ids = np.random.default_rng(seed).integers(0, max(n, 1), 200) if n else np.zeros(0, np.int64)
+    bounds = interval_bounds(n, p, None)  # equal split: closed form
+    assert np.array_equal(interval_of(ids, bounds), np.searchsorted(bounds, ids, "right") - 1)
+    uneven = np.sort(np.random.default_rng(seed).integers(0, n + 1, p + 1))
+    uneven[0], uneven[-1] = 0, n
+    assert np.array_equal(interval_of(ids, uneven), np.searchsorted(uneven, ids, "right") - 1)
+
+
+def test_grid_with_many_intervals_uses_two_radix_passes():
+    src, dst = random_graph(1000, 5000, seed=8)
+    g = grid(src, dst, 1000, num_intervals=300)
+    check_grid(g, src, dst, 1000)
