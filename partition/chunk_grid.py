@@ -474,7 +474,7 @@ def max_chunk_edges(new_src: np.ndarray, new_dst: np.ndarray, bounds: np.ndarray
         return 0
     p = bounds.shape[0] - 1
     key = interval_of(new_src, bounds) * p + interval_of(new_dst, bounds)
-    if p * p <= max(1 << 20, 2 * key.shape[0]):
+    if p * p <= max(1 << 16, 4 * key.shape[0]):
         return int(np.bincount(key, minlength=p * p).max())
     return int(np.unique(key, return_counts=True)[1].max())
 

@@ -33,6 +33,7 @@ import re
 import secrets
 import shutil
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -516,6 +517,9 @@ class _Writer:
                progress: bool) -> None:
         """Write perm and vertex arrays and prepare the manifest (committed on context exit)."""
         self.save("perm.npy", ordering.perm)
+        if vertex_arrays is not None and not isinstance(vertex_arrays, Mapping):
+            raise TypeError(f"vertex_arrays must be a mapping name -> data (got "
+                            f"{type(vertex_arrays).__name__})")
         names = []
         for name, data in (vertex_arrays or {}).items():
             if not isinstance(name, str) or not _NAME.match(name):
@@ -740,6 +744,8 @@ def _check_manifest(mpath: Path, m: dict) -> None:
     names = m.get("vertex_arrays")
     if not isinstance(names, list) or not all(isinstance(v, str) and _NAME.match(v) for v in names):
         bad(f"vertex_arrays must be a list of plain names (got {names!r})")
+    if not isinstance(m.get("ordering"), str):
+        bad(f"ordering must be the name of the ordering method (got {m.get('ordering')!r})")
     parts = m.get("ordering_parts")
     if parts is not None and (not isinstance(parts, list) or len(parts) < 2
                               or parts[0] != 0 or parts[-1] != n):

@@ -145,6 +145,7 @@ def test_vertex_arrays_from_blocks_and_tensors(tmp_path, graph):
     ({"x": [np.zeros((30, 2)), np.zeros((30, 2), np.float32)]}, ValueError, "dtype float32"),
     ({"../x": np.zeros(60)}, ValueError, "becomes a file name"),
     ({"x": np.array(["a"] * 60)}, TypeError, "must be numeric"),
+    ([("x", np.zeros(60))], TypeError, "vertex_arrays must be a mapping name -> data"),
 ])
 def test_bad_vertex_arrays_are_refused_and_leave_nothing(tmp_path, graph, arrays, err, match):
     src, dst, n, _ = graph
@@ -396,6 +397,8 @@ def set_files(rel, key, value):
     (lambda m: m["files"].update({"extra.npy": {}}), r"unknown entries \['extra.npy'\]"),
     (lambda m: m.update(vertex_arrays=["x", "y"]), "vertex array 'y' has no entry"),
     (lambda m: m.update(vertex_arrays=["../../etc/passwd"]), "vertex_arrays must be a list of plain names"),
+    (lambda m: m.update(ordering=None), "ordering must be the name of the ordering method"),
+    (lambda m: m.update(ordering_parts=[0, 5]), "ordering_parts must be null or bounds from 0 to 60"),
 ])
 def test_mismatched_manifest_is_refused(store_path, edit, match):
     edit_manifest(store_path, edit)
