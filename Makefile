@@ -27,6 +27,13 @@ PYTEST_ARGS ?=
 
 PIP := pip install --quiet --disable-pip-version-check
 
+# $(call check_python,ENV,LOW,HIGH): stop with the reason unless LOW <= Python version < HIGH.
+define check_python
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; lo, hi = [tuple(map(int, x.split("."))) \
+	    for x in ("$(2)", "$(3)")]; sys.exit(0 if lo <= v < hi else f"error: $(PYTHON) is Python \
+	    {v[0]}.{v[1]}; $(1) needs Python >= $(2) and < $(3); run make with PYTHON=<another python>")'
+endef
+
 .PHONY: help env dgl-env train test test-main test-dgl bench-kernels clean clean-env
 
 help:
@@ -39,6 +46,7 @@ dgl-env: $(DGL_VENV)/.ngra-env
 # requirement can make pip resolve a different (CUDA) torch build.
 $(VENV)/.ngra-env: pyproject.toml Makefile
 	@echo "==> creating $(VENV) (torch $(TORCH))"
+	$(call check_python,$(VENV),3.10,4.0)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/$(PIP) $(TORCH_PIP_ARGS) "torch==$(TORCH)"
 	$(VENV)/bin/$(PIP) $(TORCH_PIP_ARGS) "torch==$(TORCH)" -e ".[test,partition,plot,pyg]"
@@ -48,6 +56,7 @@ $(VENV)/.ngra-env: pyproject.toml Makefile
 # machine without a GPU it runs on the CPU. Creating this environment takes about 3 minutes.
 $(DGL_VENV)/.ngra-env: pyproject.toml Makefile
 	@echo "==> creating $(DGL_VENV) (torch $(DGL_TORCH), dgl 2.1.0; downloads about 2.5 GB)"
+	$(call check_python,$(DGL_VENV),3.10,3.13)
 	$(PYTHON) -m venv $(DGL_VENV)
 	$(DGL_VENV)/bin/$(PIP) "torch==$(DGL_TORCH)"
 	$(DGL_VENV)/bin/$(PIP) "torch==$(DGL_TORCH)" -e ".[test,partition,plot,pyg,dgl]"
