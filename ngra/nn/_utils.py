@@ -92,9 +92,10 @@ def check_edge_weight(where: str, w, g: Graph, dtype: torch.dtype) -> torch.Tens
 
 
 def inv_or_zero(x: torch.Tensor, power: float = 1.0) -> torch.Tensor:
-    """``x ** -power`` where ``x > 0``, else 0 (vertices without in-edges)."""
+    """``x ** -power``, with 0 where ``x == 0`` (vertices without in-edges). Negative ``x``
+    (negative edge weights) gives NaN for fractional powers, as in PyG: not hidden."""
     out = x.pow(-power)
-    return out.masked_fill(x <= 0, 0.0)
+    return out.masked_fill(x == 0, 0.0)
 
 
 def glorot_(t: torch.Tensor) -> torch.Tensor:
@@ -132,11 +133,10 @@ class Conv(VertexProgram):
         return out
 
     def __setattr__(self, name, value):
-        # Options (dropout, concat, ...) are read while tracing, so a compiled program bakes
-        # them in; changing one must drop the compiled programs. ``training`` is part of the
-        # program cache key already.
-        if not name.startswith("_") and name != "training" and "_programs" in self.__dict__ \
-                and not isinstance(value, (torch.nn.Module, torch.Tensor)):
+        # Options (dropout, concat, ...) are read while tracing and submodules are recorded
+        # with their shapes, so a compiled program bakes them in: setting one drops the
+        # compiled programs. ``training`` is part of the program cache key already.
+        if not name.startswith("_") and name != "training" and "_programs" in self.__dict__:
             self.__dict__["_programs"] = {}
         super().__setattr__(name, value)
 

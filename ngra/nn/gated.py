@@ -131,7 +131,10 @@ class GGNNConv(Conv):
         """Inputs of step ``step`` from the padded state ``h`` [N, out]: vertex fields ``h`` and
         ``m`` = ``h W_step``; edge field ``w`` [E, 1] when edge weights are given."""
         where = type(self).__name__
+        check_graph(where, g)
         check_features(where, h, g, self.out_channels, name="h")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < self.num_steps:
+            raise ValueError(f"{where}: step must be an int in [0, {self.num_steps}) (got {step!r})")
         w = check_edge_weight(where, edge_weight, g, h.dtype)
         edata = {} if w is None else {"w": w.unsqueeze(1)}
         return g, {"h": h, "m": h @ self.weight[step]}, edata

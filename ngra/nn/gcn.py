@@ -14,21 +14,23 @@ __all__ = ["GCNConv"]
 class GCNConv(Conv):
     r"""Graph convolution: ``X' = D^-1/2 (A + I) D^-1/2 X W + b``.
 
-    Per vertex, with edge weights ``w_ji`` (1 when not given) and ``d_i = sum_{j->i} w_ji + 1``
-    (the in-degree, counting the self loop)::
+    Per vertex, with edge weights ``w_ji`` (1 when not given), self-loop weights ``l_i`` (see
+    below) and degrees ``d_i = l_i + sum_{j -> i, j != i} w_ji``::
 
-        x_i' = b + sum_{j -> i} w_ji / sqrt(d_j d_i) * W x_j  +  1 / d_i * W x_i
+        x_i' = b + sum_{j -> i, j != i} w_ji / sqrt(d_j d_i) * W x_j  +  l_i / d_i * W x_i
 
     Shapes: ``x`` [N, in_channels], ``edge_weight`` [E] (optional) -> [N, out_channels].
 
     Self loops follow PyG's ``add_remaining_self_loops``: every vertex gets exactly one self
-    loop of weight 1, except that a vertex that already has self-loop edges keeps the weight of
-    such an edge instead (with several, the last one's) and those edges are not counted again.
+    loop, of weight ``l_i = 1``, except that a vertex that already has a self-loop edge keeps
+    that edge's weight (with several, the one torch's ``index_put`` keeps, as in PyG) and its
+    self-loop edges are not counted again. A zero degree gives a zero normalization.
     The loop term is computed on the vertices (``apply_vertex``); the graph is not modified.
     Degrees are in-degrees, at both ends of an edge, as in PyG (``flow="source_to_target"``).
 
-    Options (keyword-only): ``bias``; ``add_self_loops`` (the ``+ I``); ``normalize`` (the
-    ``D^-1/2 .. D^-1/2``; without it ``X' = (A [+ I]) X W + b``).
+    Options (keyword-only): ``bias``; ``add_self_loops`` (the ``+ I``; without it ``l_i = 0``
+    and self-loop edges count as ordinary edges); ``normalize`` (the ``D^-1/2 .. D^-1/2``;
+    without it ``X' = (A [+ I]) X W + b``).
 
     The message ``w_ji d_j^-1/2 (W x_j)`` compiles to one g-SpMM (``gspmm[copy_u, sum]``, or
     ``[u_mul_e, sum]`` when there are edge weights or self-loop edges to mask): ``W x`` and the

@@ -86,8 +86,9 @@ def build_model(name: str, in_dim: int, hidden: int, out_dim: int, *, num_layers
                  dropout 0.5. No batch norm (batch statistics would not survive streaming).
     ggcn         GatedGCNConv (G-GCN / ResGatedGraphConv), ReLU, dropout 0.5.
     ggnn         Linear(in_dim, hidden) encoder, one GGNNConv(hidden, num_steps=``num_layers``) (the
-                 GRU and its state are shared across steps), Linear(hidden, out_dim) readout;
-                 dropout 0.5 before the encoder and the readout. ``forward(g, x, edge_weight=None)``.
+                 GRU is shared across steps), Linear(hidden, out_dim) readout; dropout 0.5 on the
+                 inputs of the encoder, the GG-NN layer and the readout.
+                 ``forward(g, x, edge_weight=None)``.
     rgcn         RGCNConv(num_relations=``num_relations``, no bases), ReLU, dropout 0.5.
                  ``forward(g, x, edge_type)``; ``num_relations`` is required.
     commnet      CommNetConv, ReLU, dropout 0.5.

@@ -38,7 +38,6 @@ class SAGEConv(Conv):
         where = type(self).__name__
         aggr = check_choice(where, "aggr", aggr, ("mean", "max"))
         super().__init__(gather=aggr)
-        self.aggr = aggr
         self.in_channels = check_int(where, "in_channels", in_channels)
         self.out_channels = check_int(where, "out_channels", out_channels)
         self.normalize = check_bool(where, "normalize", normalize)
@@ -46,6 +45,11 @@ class SAGEConv(Conv):
         self.lin = torch.nn.Linear(in_channels, in_channels) if aggr == "max" else None
         self.lin_l = torch.nn.Linear(in_channels, out_channels, bias=bias)
         self.lin_r = torch.nn.Linear(in_channels, out_channels, bias=False)
+
+    @property
+    def aggr(self) -> str:
+        """"mean" or "max" (fixed at construction: it decides the parameters)."""
+        return self.gather
 
     def reset_parameters(self) -> None:
         for m in (self.lin, self.lin_l, self.lin_r):

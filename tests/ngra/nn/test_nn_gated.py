@@ -124,3 +124,5 @@ def test_bad_arguments():
         GGNNConv(4, 2)(g, torch.randn(17, 7))
     with pytest.raises(ValueError, match=r"edge_weight of shape \[60\]"):
         GGNNConv(4, 2)(g, torch.randn(17, 3), edge_weight=torch.rand(17))
+    with pytest.raises(ValueError, match=r"step must be an int in \[0, 2\) \(got 2\)"):
+        GGNNConv(4, 2).prepare(g, torch.randn(17, 4), 2)

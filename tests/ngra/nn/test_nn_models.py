@@ -1,0 +1,116 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ngra
+from ngra.nn import GNN, MODELS, GATConv, GGNNConv, build_model
+from nn_testutil import make_graph
+
+R = 3
+
+
+def _kwargs(name, g):
+    if name == "rgcn":
+        return {"edge_type": torch.randint(0, R, (g.num_edges,), generator=torch.Generator().manual_seed(0))}
+    return {}
+
+
+def _build(name, **kw):
+    return build_model(name, 6, 8, 3, num_relations=R if name == "rgcn" else None, **kw)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_model_trains(name):
+    g = make_graph("random")
+    torch.manual_seed(0)
+    model = _build(name, dropout=0.0)
+    x = torch.randn(g.num_nodes, 6)
+    y = torch.randint(0, 3, (g.num_nodes,), generator=torch.Generator().manual_seed(1))
+    kwargs = _kwargs(name, g)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(15):
+        opt.zero_grad()
+        out = model(g, x, **kwargs)
+        assert out.shape == (g.num_nodes, 3)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["gcn", "gat"])
+def test_dropout_only_in_training(name):
+    g = make_graph("random")
+    model = _build(name)
+    x = torch.randn(g.num_nodes, 6)
+    model.eval()
+    torch.testing.assert_close(model(g, x), model(g, x))
+    model.train()
+    assert not torch.allclose(model(g, x), model(g, x))
+
+
+def test_gat_follows_the_paper():
+    model = build_model("gat", 1433, 8, 7)
+    assert model.dropout == 0.6 and model.activation == "elu"
+    first, last = model.layers
+    assert isinstance(first, GATConv) and (first.heads, first.out_channels, first.concat) == (8, 8, True)
+    assert first.dropout == 0.6
+    assert (last.in_channels, last.heads, last.out_channels, last.concat) == (64, 1, 7, False)
+    assert last.dropout == 0.6
+
+
+def test_depth_and_widths():
+    model = build_model("sage", 6, 8, 3, num_layers=3)
+    assert [(m.in_channels, m.out_channels) for m in model.layers] == [(6, 8), (8, 8), (8, 3)]
+    single = build_model("gcn", 6, 8, 3, num_layers=1)
+    assert [(m.in_channels, m.out_channels) for m in single.layers] == [(6, 3)]
+    gat3 = build_model("gat", 6, 4, 3, num_layers=3, heads=2)
+    assert [(m.in_channels, m.out_channels, m.heads) for m in gat3.layers] == [(6, 4, 2), (8, 4, 2), (8, 3, 1)]
+    ggnn = build_model("ggnn", 6, 8, 3, num_layers=4)
+    (conv,) = ggnn.layers
+    assert isinstance(conv, GGNNConv) and conv.num_steps == 4
+    assert (ggnn.encoder.in_features, ggnn.decoder.out_features) == (6, 3)
+
+
+def test_edge_weight_reaches_gcn():
+    g = make_graph("random")
+    model = build_model("gcn", 6, 8, 3).eval()
+    x = torch.randn(g.num_nodes, 6)
+    w = torch.rand(g.num_edges)
+    assert not torch.allclose(model(g, x), model(g, x, edge_weight=w))
+
+
+def test_repr():
+    assert repr(build_model("gcn", 6, 8, 3)) == (
+        "GNN(\n"
+        "  name='gcn', dropout=0.5, activation='relu'\n"
+        "  (layers): ModuleList(\n"
+        "    (0): GCNConv(6, 8, add_self_loops=True, normalize=True, bias=True)\n"
+        "    (1): GCNConv(8, 3, add_self_loops=True, normalize=True, bias=True)\n"
+        "  )\n"
+        ")")
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"unknown model 'gnc'; choose one of \['gcn'"):
+        build_model("gnc", 6, 8, 3)
+    with pytest.raises(ValueError, match="model 'rgcn' needs num_relations"):
+        build_model("rgcn", 6, 8, 3)
+    with pytest.raises(ValueError, match="num_relations is only used by 'rgcn'"):
+        build_model("gcn", 6, 8, 3, num_relations=4)
+    with pytest.raises(ValueError, match="num_layers must be >= 1"):
+        build_model("gcn", 6, 8, 3, num_layers=0)
+    with pytest.raises(ValueError, match="dropout is a dropout probability"):
+        build_model("gcn", 6, 8, 3, dropout=1.5)
+    with pytest.raises(TypeError, match="hidden must be an int"):
+        build_model("gcn", 6, None, 3)
+    with pytest.raises(TypeError):
+        build_model("gcn", 6, 8, 3, 2)  # options are keyword-only
+    with pytest.raises(ValueError, match="activation must be one of"):
+        GNN("x", [], dropout=0.0, activation="swish")
+    g = make_graph("random")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'edge_type'"):
+        build_model("gcn", 6, 8, 3)(g, torch.randn(17, 6), edge_type=torch.zeros(60, dtype=torch.long))
