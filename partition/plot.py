@@ -19,6 +19,7 @@ def plot_chunk_counts(source: ChunkSource, *, ax=None, title: str | None = None)
     try:
         import matplotlib.pyplot as plt
         from matplotlib.colors import LogNorm
+        from matplotlib.ticker import MaxNLocator
     except ImportError as e:
         raise ImportError("plot_chunk_counts needs matplotlib; pip install 'ngra[plot]'") from e
     if not isinstance(source, ChunkSource):
@@ -30,6 +31,8 @@ def plot_chunk_counts(source: ChunkSource, *, ax=None, title: str | None = None)
     image = ax.imshow(counts, norm=LogNorm(vmin=1, vmax=max(vmax, 2)), cmap="viridis",
                       interpolation="nearest")
     ax.figure.colorbar(image, ax=ax, label="edges per chunk")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("destination interval j")
     ax.set_ylabel("source interval i")
     if title is None:
