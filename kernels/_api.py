@@ -79,7 +79,7 @@ def gspmm(csr, op, reduce, u=None, e=None, backend="auto"):
     _check_operand(csr, "e", "e", e, binop != "copy_lhs", op)
     check_same_dtype(u=u, e=e)
     out_feat_shape(binop, _feat(u), _feat(e))  # raises on shapes that do not broadcast
-    mod = _backend.resolve(backend, csr.device)
+    mod = _backend.resolve(backend, csr.device, (u if u is not None else e).dtype)
     return _GSpMM.apply(csr, mod, binop, reduce, u, e)
 
 
@@ -213,7 +213,7 @@ def gsddmm(csr, op, u=None, v=None, e=None, backend="auto"):
     check_same_dtype(u=u, v=v, e=e)
     lhs, rhs = given[lt], (given[rt] if rt is not None else None)
     out_feat_shape(binop, _feat(lhs), _feat(rhs))
-    mod = _backend.resolve(backend, csr.device)
+    mod = _backend.resolve(backend, csr.device, lhs.dtype)
     return _GSDDMM.apply(csr, mod, binop, lt, rt, lhs, rhs)
 
 
@@ -283,7 +283,7 @@ def edge_softmax(csr, scores, backend="auto"):
     """
     _check_csr(csr)
     check_tensor("scores", scores, csr.num_edges, "edge", csr.device)
-    mod = _backend.resolve(backend, csr.device)
+    mod = _backend.resolve(backend, csr.device, scores.dtype)
     return _EdgeSoftmax.apply(csr, mod, scores)
 
 

@@ -72,14 +72,20 @@ def current_choice() -> str:
     return _default
 
 
-def resolve(backend: str, device):
-    """Backend module for an explicit name or ``"auto"``, for tensors on ``device``."""
+def resolve(backend: str, device, dtype=None):
+    """Backend module for an explicit name or ``"auto"``, for ``dtype`` tensors on ``device``.
+
+    ``"auto"`` takes numba on CPU and numba_cuda on CUDA, and the torch reference where that
+    backend cannot be loaded or does not compute in ``dtype`` (e.g. float16 on CPU).
+    """
     check_choice("backend", backend, BACKENDS)
     name = backend if backend != "auto" else current_choice()
     if name == "auto":
         name = "numba_cuda" if device.type == "cuda" else "numba"
         mod = _load(name)
-        return mod if mod is not None else _load("torch")
+        if mod is None or (dtype is not None and dtype not in mod.DTYPES):
+            return _load("torch")
+        return mod
     mod = _load(name)
     if mod is None:
         raise ValueError(f"backend {name!r} is not usable here: {_unusable[name]}")
@@ -88,6 +94,6 @@ def resolve(backend: str, device):
     return mod
 
 
-def backend_name(backend: str, device) -> str:
+def backend_name(backend: str, device, dtype=None) -> str:
     """Name of the module :func:`resolve` picks (for logs and benchmarks)."""
-    return resolve(backend, device).NAME
+    return resolve(backend, device, dtype).NAME

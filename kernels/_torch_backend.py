@@ -8,6 +8,7 @@ import torch
 from ._ops import out_feat_shape, padded_view
 
 NAME = "torch"
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _gather(csr, x, target):

@@ -82,12 +82,11 @@ def coo(csr):
     E = csr.num_edges
     src = [0] * E
     dst = [0] * E
-    indptr = csr.indptr.tolist()
+    indptr, eids, indices = csr.indptr.tolist(), csr.eids.tolist(), csr.indices.tolist()
     for v in range(csr.num_dst):
         for p in range(indptr[v], indptr[v + 1]):
-            k = int(csr.eids[p])
-            src[k] = int(csr.indices[p])
-            dst[k] = v
+            src[eids[p]] = indices[p]
+            dst[eids[p]] = v
     return torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)
 
 
@@ -117,8 +116,9 @@ def ref_gspmm(csr, op, reduce, u, e):
             out = out / inc.sum(1, keepdim=True).clamp(min=1)
         return out.reshape((csr.num_dst,) + fo)
     out = torch.zeros((csr.num_dst,) + fo, dtype=msg.dtype)
+    dst = dst.tolist()
     for v in range(csr.num_dst):
-        ks = [k for k in range(csr.num_edges) if int(dst[k]) == v]
+        ks = [k for k in range(csr.num_edges) if dst[k] == v]
         if ks:
             stack = msg[ks]
             out[v] = stack.max(0).values if reduce == "max" else stack.min(0).values
@@ -148,8 +148,9 @@ def ref_gsddmm(csr, op, u=None, v=None, e=None):
 def ref_edge_softmax(csr, scores):
     _, dst = coo(csr)
     out = torch.zeros_like(scores)
+    dst = dst.tolist()
     for v in range(csr.num_dst):
-        ks = [k for k in range(csr.num_edges) if int(dst[k]) == v]
+        ks = [k for k in range(csr.num_edges) if dst[k] == v]
         if ks:
             out[ks] = torch.softmax(scores[ks], dim=0)
     return out

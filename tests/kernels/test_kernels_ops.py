@@ -15,7 +15,7 @@ from kernels_testutil import (
 
 import kernels
 
-BACKENDS = ["torch"]
+BACKENDS = ["torch", "numba"]
 SPMM_OPS = ["copy_u", "copy_e", "u_add_e", "u_sub_e", "u_mul_e", "u_div_e"]
 REDUCES = ["sum", "mean", "max", "min"]
 # (fu, fe): same shape, one scalar per edge ([E] and [E, 1]), per-head weights, both broadcast,

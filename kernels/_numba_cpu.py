@@ -1,0 +1,428 @@
+"""Numba CPU backend: parallel over destination rows of the CSR.
+
+Every destination row is reduced by one thread in CSR order (in-edges sorted by edge id), so the
+kernels are race-free and bitwise deterministic whatever the thread count. Rows are split into
+contiguous parts of about equal cost (edges + rows) so that power-law graphs, whose high-degree
+vertices cluster, still balance across threads under prange's static schedule.
+
+Kernels are compiled once per (dtype, index dtype) and cached on disk (``cache=True``); the op,
+reducer and broadcast layout are runtime arguments rather than compile-time specializations, which
+keeps the number of compiled signatures (and so the first-call compile time) small. Branches on
+them sit outside the per-feature loops, so the hot loops stay simple enough to vectorize.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+from ._ops import bcast_offsets, out_feat_shape
+
+NAME = "numba"
+DTYPES = (torch.float32, torch.float64)
+
+# Thread pools. torch ships its own libgomp and numba's "omp" layer links the system one, so with
+# both in one process two OpenMP runtimes spin-wait against each other: on this 2-core machine a
+# tiny prange kernel launched right after a torch op took 10-24 ms instead of ~0.1 ms. The
+# workqueue layer's threads sleep instead of spinning. It is not safe to launch from two threads
+# at once, hence _launch_lock (each launch already uses every thread). An explicit
+# NUMBA_THREADING_LAYER from the user wins.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
+_launch_lock = threading.Lock()
+
+COPY_LHS, COPY_RHS, ADD, SUB, MUL, DIV, DOT = range(7)
+_CODE = {"copy_lhs": COPY_LHS, "copy_rhs": COPY_RHS, "add": ADD, "sub": SUB, "mul": MUL,
+         "div": DIV, "dot": DOT}
+
+# gspmm layouts (how lhs/rhs rows line up with the output row)
+M_COPY_U = 0   # out row += u row
+M_COPY_E = 1   # out row += e row
+M_BLOCK_E = 2  # u row is the output row; e holds one value per block of `inner` features
+M_GENERIC = 3  # any broadcast, through offset maps
+# gsddmm layouts
+S_COPY = 0
+S_SAME = 1
+S_DOT = 2
+S_GENERIC = 3
+
+_ROW_COST = 4  # a row costs about as much as this many edges (loop setup, output write)
+
+
+def check_device(device):
+    if device.type != "cpu":
+        raise ValueError(f"backend 'numba' runs on CPU tensors (got device {device}); use "
+                         f"backend='numba_cuda' or 'auto' for CUDA tensors")
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+@njit(inline="always")
+def _bop(op, a, b):
+    if op == ADD:
+        return a + b
+    if op == SUB:
+        return a - b
+    if op == MUL:
+        return a * b
+    if op == DIV:
+        return a / b
+    if op == COPY_RHS:
+        return b
+    return a
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _spmm_sum(parts, indptr, indices, eids, U, W, out, op, mode, inner, loff, roff, mean):
+    lo = out.shape[1]
+    for p in prange(parts.size - 1):
+        for v in range(parts[p], parts[p + 1]):
+            beg = indptr[v]
+            end = indptr[v + 1]
+            orow = out[v]
+            for f in range(lo):
+                orow[f] = 0
+            if mode == M_COPY_U:
+                for k in range(beg, end):
+                    urow = U[indices[k]]
+                    for f in range(lo):
+                        orow[f] += urow[f]
+            elif mode == M_COPY_E:
+                for k in range(beg, end):
+                    erow = W[eids[k]]
+                    for f in range(lo):
+                        orow[f] += erow[f]
+            elif mode == M_BLOCK_E:
+                nb = lo // inner
+                for k in range(beg, end):
+                    urow = U[indices[k]]
+                    erow = W[eids[k]]
+                    for b in range(nb):
+                        w = erow[b]
+                        o = b * inner
+                        if op == MUL:
+                            for f in range(inner):
+                                orow[o + f] += urow[o + f] * w
+                        elif op == ADD:
+                            for f in range(inner):
+                                orow[o + f] += urow[o + f] + w
+                        elif op == SUB:
+                            for f in range(inner):
+                                orow[o + f] += urow[o + f] - w
+                        else:
+                            for f in range(inner):
+                                orow[o + f] += urow[o + f] / w
+            else:
+                for k in range(beg, end):
+                    urow = U[indices[k]]
+                    erow = W[eids[k]]
+                    for f in range(lo):
+                        orow[f] += _bop(op, urow[loff[f]], erow[roff[f]])
+            if mean and end > beg:
+                d = end - beg
+                for f in range(lo):
+                    orow[f] /= d
+
+
+@njit(inline="always")
+def _msg(op, mode, inner, U, W, s, eid, f, loff, roff):
+    if mode == M_COPY_U:
+        return U[s, f]
+    if mode == M_COPY_E:
+        return W[eid, f]
+    if mode == M_BLOCK_E:
+        return _bop(op, U[s, f], W[eid, f // inner])
+    return _bop(op, U[s, loff[f]], W[eid, roff[f]])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _spmm_maxmin(parts, indptr, indices, eids, U, W, out, arg, op, mode, inner, loff, roff,
+                 is_max):
+    lo = out.shape[1]
+    for p in prange(parts.size - 1):
+        for v in range(parts[p], parts[p + 1]):
+            beg = indptr[v]
+            end = indptr[v + 1]
+            orow = out[v]
+            arow = arg[v]
+            if beg == end:
+                for f in range(lo):
+                    orow[f] = 0
+                    arow[f] = -1
+                continue
+            s = indices[beg]
+            eid = eids[beg]
+            for f in range(lo):
+                orow[f] = _msg(op, mode, inner, U, W, s, eid, f, loff, roff)
+                arow[f] = eid
+            # Strict comparisons keep the first (smallest edge id) of tied edges.
+            for k in range(beg + 1, end):
+                s = indices[k]
+                eid = eids[k]
+                if is_max:
+                    for f in range(lo):
+                        m = _msg(op, mode, inner, U, W, s, eid, f, loff, roff)
+                        if m > orow[f]:
+                            orow[f] = m
+                            arow[f] = eid
+                else:
+                    for f in range(lo):
+                        m = _msg(op, mode, inner, U, W, s, eid, f, loff, roff)
+                        if m < orow[f]:
+                            orow[f] = m
+                            arow[f] = eid
+
+
+@njit(inline="always")
+def _row(target, s, v, eid):
+    if target == 0:
+        return s
+    if target == 1:
+        return v
+    return eid
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _sddmm(parts, indptr, indices, eids, L, lt, R, rt, out, op, mode, loff, roff, red):
+    lo = out.shape[1]
+    for p in prange(parts.size - 1):
+        for v in range(parts[p], parts[p + 1]):
+            for k in range(indptr[v], indptr[v + 1]):
+                s = indices[k]
+                eid = eids[k]
+                lrow = L[_row(lt, s, v, eid)]
+                rrow = R[_row(rt, s, v, eid)]
+                orow = out[eid]
+                if mode == S_DOT:
+                    for j in range(lo):
+                        a = loff[j]
+                        b = roff[j]
+                        acc = lrow[a] * rrow[b]
+                        for d in range(1, red):
+                            acc += lrow[a + d] * rrow[b + d]
+                        orow[j] = acc
+                elif mode == S_COPY:
+                    for f in range(lo):
+                        orow[f] = lrow[f]
+                elif mode == S_SAME:
+                    for f in range(lo):
+                        orow[f] = _bop(op, lrow[f], rrow[f])
+                else:
+                    for f in range(lo):
+                        orow[f] = _bop(op, lrow[loff[f]], rrow[roff[f]])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _edge_softmax(parts, indptr, eids, S, Y):
+    F = S.shape[1]
+    for p in prange(parts.size - 1):
+        mx = np.empty(F, S.dtype)
+        sm = np.empty(F, S.dtype)
+        for v in range(parts[p], parts[p + 1]):
+            beg = indptr[v]
+            end = indptr[v + 1]
+            if beg == end:
+                continue
+            srow = S[eids[beg]]
+            for f in range(F):
+                mx[f] = srow[f]
+                sm[f] = 0
+            for k in range(beg + 1, end):
+                srow = S[eids[k]]
+                for f in range(F):
+                    if srow[f] > mx[f]:
+                        mx[f] = srow[f]
+            for k in range(beg, end):
+                srow = S[eids[k]]
+                yrow = Y[eids[k]]
+                for f in range(F):
+                    x = np.exp(srow[f] - mx[f])
+                    yrow[f] = x
+                    sm[f] += x
+            for f in range(F):
+                sm[f] = 1 / sm[f]
+            for k in range(beg, end):
+                yrow = Y[eids[k]]
+                for f in range(F):
+                    yrow[f] *= sm[f]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _edge_softmax_backward(parts, indptr, eids, Y, G, GS):
+    F = Y.shape[1]
+    for p in prange(parts.size - 1):
+        acc = np.empty(F, Y.dtype)
+        for v in range(parts[p], parts[p + 1]):
+            beg = indptr[v]
+            end = indptr[v + 1]
+            for f in range(F):
+                acc[f] = 0
+            for k in range(beg, end):
+                yrow = Y[eids[k]]
+                grow = G[eids[k]]
+                for f in range(F):
+                    acc[f] += yrow[f] * grow[f]
+            for k in range(beg, end):
+                yrow = Y[eids[k]]
+                grow = G[eids[k]]
+                srow = GS[eids[k]]
+                for f in range(F):
+                    srow[f] = yrow[f] * (grow[f] - acc[f])
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+
+def _threads():
+    """Numba's thread count follows torch's (set per launch: numba's setting is per thread)."""
+    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    return n
+
+
+def _launch(kernel, *args):
+    with _launch_lock:
+        _threads()
+        kernel(*args)
+
+
+def _arrays(csr):
+    """numpy views of the CSR arrays and an edge-balanced row split, cached on the CSR."""
+    nthreads = _threads()
+    cache = csr._backend_cache
+    key = ("numba", nthreads)
+    if key not in cache:
+        indptr = csr.indptr.numpy()
+        nparts = max(1, min(csr.num_dst, 16 * nthreads))
+        cost = indptr + _ROW_COST * np.arange(csr.num_dst + 1, dtype=np.int64)
+        targets = np.linspace(0, cost[-1], nparts + 1)
+        bounds = np.searchsorted(cost, targets, side="left").astype(np.int64)
+        bounds[0], bounds[-1] = 0, csr.num_dst
+        parts = np.unique(bounds)
+        if parts.size < 2:
+            parts = np.array([0, csr.num_dst], dtype=np.int64)
+        cache[key] = (parts, indptr, csr.indices.numpy(), csr.eids.numpy())
+    return cache[key]
+
+
+def _flat(x, rows):
+    """[rows, *f] tensor as a C-contiguous 2-D numpy array [rows, prod(f)] (zero-copy if it can)."""
+    n = math.prod(x.shape[1:])
+    return x.detach().reshape(rows, n).contiguous().numpy()
+
+
+def _check_dtype(*xs):
+    for x in xs:
+        if x is not None and x.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"backend 'numba' supports float32 and float64 (got {x.dtype}); use "
+                            f"backend='torch' for half precision on CPU")
+
+
+def _block_inner(fu, fe, fo):
+    """If u's row is the output row and e is constant over trailing blocks of it (one weight per
+    edge, per head, ...), the block length; else None."""
+    if tuple(fu) != tuple(fo):
+        return None
+    pe = (1,) * (len(fo) - len(fe)) + tuple(fe)
+    for j in range(len(fo) + 1):
+        if pe[:j] == tuple(fo[:j]) and all(n == 1 for n in pe[j:]):
+            return max(1, math.prod(fo[j:]))
+    return None
+
+
+_EMPTY_OFF = np.zeros(1, dtype=np.int64)
+
+
+def spmm(csr, binop, reduce, lhs, rhs):
+    _check_dtype(lhs, rhs)
+    parts, indptr, indices, eids = _arrays(csr)
+    fu = tuple(lhs.shape[1:]) if lhs is not None else ()
+    fe = tuple(rhs.shape[1:]) if rhs is not None else ()
+    fo = out_feat_shape(binop, fu, fe)
+    dtype = (lhs if lhs is not None else rhs).dtype
+    lo = math.prod(fo)
+    U = _flat(lhs, csr.num_src) if lhs is not None else None
+    W = _flat(rhs, csr.num_edges) if rhs is not None else None
+    loff = roff = _EMPTY_OFF
+    inner = 1
+    if binop == "copy_lhs":
+        mode, W = M_COPY_U, U
+    elif binop == "copy_rhs":
+        mode, U = M_COPY_E, W
+    else:
+        inner = _block_inner(fu, fe, fo)
+        if inner is not None:
+            mode = M_BLOCK_E
+        else:
+            mode, inner = M_GENERIC, 1
+            loff, roff, _ = bcast_offsets(binop, fu, fe, fo)
+    out = torch.empty((csr.num_dst, lo), dtype=dtype)
+    op = _CODE[binop]
+    if reduce in ("sum", "mean"):
+        _launch(_spmm_sum, parts, indptr, indices, eids, U, W, out.numpy(), op, mode, inner, loff, roff,
+                  reduce == "mean")
+        arg = None
+    else:
+        arg = torch.empty((csr.num_dst, lo), dtype=torch.int64)
+        _launch(_spmm_maxmin, parts, indptr, indices, eids, U, W, out.numpy(), arg.numpy(), op, mode, inner,
+                     loff, roff, reduce == "max")
+        arg = arg.reshape((csr.num_dst,) + fo)
+    return out.reshape((csr.num_dst,) + fo), arg
+
+
+_TARGET = {"u": 0, "v": 1, "e": 2}
+
+
+def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
+    _check_dtype(lhs, rhs)
+    parts, indptr, indices, eids = _arrays(csr)
+    rows = {"u": csr.num_src, "v": csr.num_dst, "e": csr.num_edges}
+    fl = tuple(lhs.shape[1:])
+    fr = tuple(rhs.shape[1:]) if rhs is not None else ()
+    fo = out_feat_shape(binop, fl, fr)
+    L = _flat(lhs, rows[lhs_target])
+    loff = roff = _EMPTY_OFF
+    red = 1
+    if rhs is None:
+        R, rhs_target, mode = L, lhs_target, S_COPY
+    else:
+        R = _flat(rhs, rows[rhs_target])
+        if binop == "dot":
+            mode = S_DOT
+            loff, roff, red = bcast_offsets(binop, fl, fr, fo)
+        elif binop == "copy_lhs":
+            mode = S_COPY
+        elif fl == fr == fo:
+            mode = S_SAME
+        else:
+            mode = S_GENERIC
+            loff, roff, _ = bcast_offsets(binop, fl, fr, fo)
+    out = torch.empty((csr.num_edges, math.prod(fo)), dtype=lhs.dtype)
+    _launch(_sddmm, parts, indptr, indices, eids, L, _TARGET[lhs_target], R, _TARGET[rhs_target],
+           out.numpy(), _CODE[binop], mode, loff, roff, red)
+    return out.reshape((csr.num_edges,) + fo)
+
+
+def edge_softmax(csr, scores):
+    _check_dtype(scores)
+    parts, indptr, _, eids = _arrays(csr)
+    y = torch.empty_like(scores, memory_format=torch.contiguous_format)
+    _launch(_edge_softmax, parts, indptr, eids, _flat(scores, csr.num_edges), _flat(y, csr.num_edges))
+    return y
+
+
+def edge_softmax_backward(csr, y, grad_y):
+    _check_dtype(y, grad_y)
+    parts, indptr, _, eids = _arrays(csr)
+    gs = torch.empty_like(y, memory_format=torch.contiguous_format)
+    _launch(_edge_softmax_backward, parts, indptr, eids, _flat(y, csr.num_edges),
+                           _flat(grad_y, csr.num_edges), _flat(gs, csr.num_edges))
+    return gs
+
