@@ -26,7 +26,7 @@ class GNN(torch.nn.Module):
     Every graph layer gets ``dropout`` on its input (training mode only); the activation runs
     between graph layers, not after the last one. ``encoder`` / ``decoder`` are optional
     vertex-wise modules before / after the graph layers (GG-NN's input projection and readout;
-    the decoder's input also gets dropout). ``forward(g, x, **kwargs)`` passes ``kwargs``
+    their inputs get dropout too). ``forward(g, x, **kwargs)`` passes ``kwargs``
     (``edge_weight``, ``edge_type``) to every graph layer. Shapes: ``x`` [N, in] -> [N, out].
     """
 

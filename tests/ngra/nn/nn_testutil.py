@@ -49,15 +49,15 @@ def make_graph(name: str, seed: int = 0) -> ngra.Graph:
 
 
 def copy_weights(ours: torch.nn.Module, theirs: torch.nn.Module, mapping: dict) -> None:
-    """Copy ``theirs``' tensors into ``ours``: ``mapping`` is our name -> their name (or a
-    callable of their module returning the tensor). Every parameter of ours must be mapped."""
+    """Copy ``theirs``' tensors into ``ours``: ``mapping`` is our name -> their name (dotted).
+    Every parameter of ours must be mapped, so no weight escapes the comparison."""
     names = {n for n, _ in ours.named_parameters()}
     missing = names - set(mapping)
     if missing:
         raise AssertionError(f"parameters without a PyG counterpart in the mapping: {sorted(missing)}")
     for ours_name, theirs_name in mapping.items():
         dst = ours.get_parameter(ours_name) if ours_name in names else ours.get_buffer(ours_name)
-        src = theirs_name(theirs) if callable(theirs_name) else _get(theirs, theirs_name)
+        src = _get(theirs, theirs_name)
         with torch.no_grad():
             dst.copy_(src.reshape(dst.shape))
 
@@ -79,7 +79,7 @@ def assert_parity(ours, theirs, run_ours, run_theirs, inputs: dict, mapping: dic
 
     ``run_ours(**inputs)`` / ``run_theirs(**inputs)`` get fresh leaf copies of ``inputs``; the
     loss is ``(out * probe).sum()`` with a fixed random ``probe``. ``mapping`` is our parameter
-    name -> their name or a callable ``theirs -> tensor`` whose result carries the gradient.
+    name -> their parameter name (as for :func:`copy_weights`).
     """
     tol = tolerances(dtype)
     ours.zero_grad(set_to_none=True)
@@ -87,11 +87,7 @@ def assert_parity(ours, theirs, run_ours, run_theirs, inputs: dict, mapping: dic
     a_in = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in inputs.items()}
     b_in = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in inputs.items()}
     out_a = run_ours(**a_in)
-    their_tensors = {}
-    for ours_name, theirs_name in mapping.items():
-        if callable(theirs_name):
-            continue
-        their_tensors[ours_name] = _get(theirs, theirs_name)
+    their_tensors = {ours_name: _get(theirs, theirs_name) for ours_name, theirs_name in mapping.items()}
     out_b = run_theirs(**b_in)
     torch.testing.assert_close(out_a, out_b, **tol, msg=lambda m: f"forward differs:\n{m}")
     probe = torch.randn(out_a.shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)

@@ -2,7 +2,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import ngra
 from ngra.nn import GNN, MODELS, GATConv, GGNNConv, build_model
 from nn_testutil import make_graph
 
