@@ -1,14 +1,19 @@
 """ngra: GNN training on large graphs with SAGA-NN vertex programs.
 
 Public surface: :class:`Graph`, :class:`VertexProgram`, :func:`compile`, the built-in message and
-reducer descriptors in :mod:`ngra.fn`. Everything else is importable but not advertised.
+reducer descriptors in :mod:`ngra.fn`, the streaming :class:`Engine`, and :mod:`ngra.datasets`.
+Everything else is importable but not advertised.
 """
 
+from . import datasets
 from . import function as fn
+from . import nn
+from .engine import Engine
 from .graph import Graph
 from .ir import IR, IRError
 from .program import NgraWarning, Program, VertexProgram, compile
 
 __version__ = "0.1.0"
 
-__all__ = ["Graph", "VertexProgram", "Program", "compile", "fn", "IR", "IRError", "NgraWarning"]
+__all__ = ["Graph", "VertexProgram", "Program", "compile", "fn", "Engine", "datasets", "nn", "IR",
+           "IRError", "NgraWarning"]

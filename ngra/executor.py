@@ -103,6 +103,35 @@ def _last_uses(ir: IR) -> dict[int, list[Node]]:
     return out
 
 
+def eval_node(n: Node, args: tuple, kwargs: dict, layer, ops: GraphOps, vdata: dict, edata: dict):
+    """Evaluate one node whose arguments are already values."""
+    op = n.op
+    if op == "input":
+        kind, field = n.target
+        return vdata[field] if kind == "vertex" else edata[field]
+    if op == "get_attr":
+        return fetch_attr(layer, n.target)
+    if op == "const":
+        return n.value
+    if op == "call_module":
+        return layer.get_submodule(n.target)(*args, **kwargs)
+    if op == "call_function":
+        return n.target(*args, **kwargs)
+    if op == "call_method":
+        return getattr(args[0], n.target)(*args[1:], **kwargs)
+    if op == "scatter":
+        return ops.scatter(args[0], n.target)
+    if op == "gather":
+        return ops.gather(args[0], n.target)
+    if op == "edge_softmax":
+        return ops.edge_softmax(args[0])
+    if op == "gsddmm":
+        return ops.gsddmm(n.target, *args)
+    if op == "gspmm":
+        return ops.gspmm(n.target[0], n.target[1], *args)
+    raise ValueError(f"cannot execute op {op!r}")  # pragma: no cover - lint rejects unknown ops
+
+
 def run_ir(ir: IR, layer: torch.nn.Module, ops: GraphOps, vdata: dict, edata: dict,
            *, record: dict | None = None):
     """Interpret ``ir``; values are dropped as soon as their last reader ran (memory frugal).
@@ -115,34 +144,8 @@ def run_ir(ir: IR, layer: torch.nn.Module, ops: GraphOps, vdata: dict, edata: di
     for i, n in enumerate(ir.nodes):
         if n.op == "output":
             return load(n.args[0])
-        args = map_nodes(n.args, load)
-        kwargs = map_nodes(n.kwargs, load)
-        op = n.op
-        if op == "input":
-            kind, field = n.target
-            val = vdata[field] if kind == "vertex" else edata[field]
-        elif op == "get_attr":
-            val = fetch_attr(layer, n.target)
-        elif op == "const":
-            val = n.value
-        elif op == "call_module":
-            val = layer.get_submodule(n.target)(*args, **kwargs)
-        elif op == "call_function":
-            val = n.target(*args, **kwargs)
-        elif op == "call_method":
-            val = getattr(args[0], n.target)(*args[1:], **kwargs)
-        elif op == "scatter":
-            val = ops.scatter(args[0], n.target)
-        elif op == "gather":
-            val = ops.gather(args[0], n.target)
-        elif op == "edge_softmax":
-            val = ops.edge_softmax(args[0])
-        elif op == "gsddmm":
-            val = ops.gsddmm(n.target, *args)
-        elif op == "gspmm":
-            val = ops.gspmm(n.target[0], n.target[1], *args)
-        else:  # pragma: no cover - lint rejects unknown ops
-            raise ValueError(f"cannot execute op {op!r}")
+        val = eval_node(n, map_nodes(n.args, load), map_nodes(n.kwargs, load), layer, ops,
+                        vdata, edata)
         env[id(n)] = val
         if record is not None:
             record[id(n)] = val
@@ -165,12 +168,14 @@ _SAMPLE_N, _SAMPLE_E = 11, 23
 
 @contextlib.contextmanager
 def _inference_of(module: torch.nn.Module):
-    """Eval mode and no autograd, restored afterwards: a sample run must not touch the layer's
-    state (BatchNorm statistics, dropout's RNG draws)."""
+    """Eval mode, no autograd and a forked RNG, all restored afterwards: a sample run must not
+    touch the layer's state (BatchNorm statistics) or the user's random stream (dropout draws,
+    even from ``F.dropout(..., training=True)``)."""
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
             yield
     finally:
         for m, mode in modes:

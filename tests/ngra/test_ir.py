@@ -198,3 +198,17 @@ def test_optimize_result_lints_and_passes_lint_inputs():
 def test_program_repr_shows_signature_and_ir():
     prog = compiled(GCNMsg(), edge=True)
     assert repr(prog).splitlines()[0] == "Program(GCNMsg, gather='sum', inputs={v.h[N, 4], e.w[E, 1]})"
+
+
+def test_compiling_does_not_consume_the_users_random_stream():
+    class Drop(ngra.VertexProgram):
+        def apply_edge(self, e):
+            return torch.nn.functional.dropout(e.src["h"], 0.5, training=True)
+
+    g = random_graph()
+    x = torch.ones(g.num_nodes, 3)
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    ngra.compile(Drop(), g, x)
+    torch.testing.assert_close(torch.rand(4), expected)

@@ -1,0 +1,221 @@
+"""The streaming engine: streamed results and gradients equal the in-memory ones."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import ngra
+import partition
+from ngra.engine import StreamPlan
+from saga_reference import make_graph, random_graph
+from test_program import LAYERS, build, inputs
+
+REDUCERS = ["sum", "mean", "max", "min"]
+
+
+def leaves_of(layer, vdata, edata):
+    return [*vdata.values(), *edata.values(), *layer.parameters()]
+
+
+def grads(out, leaves):
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
+    gs = torch.autograd.grad((out * weight).sum(), leaves, allow_unused=True, retain_graph=True)
+    return [torch.zeros_like(x) if gr is None else gr for gr, x in zip(gs, leaves)]
+
+
+def assert_streamed_equal(layer, g, vdata, edata, engine, rtol=1e-5, atol=1e-6):
+    expected = layer(g, vdata, edata)
+    with engine:
+        got = layer(g, vdata, edata)
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+    leaves = leaves_of(layer, vdata, edata)
+    for a, b in zip(grads(got, leaves), grads(expected, leaves)):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2, 3, 8])
+@pytest.mark.parametrize("reduce", REDUCERS)
+@pytest.mark.parametrize("kind", LAYERS)
+def test_streamed_equals_in_memory(kind, reduce, num_chunks):
+    g = random_graph(30, 120, seed=3)
+    layer = build(kind, reduce)
+    vdata, edata = inputs(g, kind, torch.float32)
+    assert_streamed_equal(layer, g, vdata, edata, ngra.Engine(num_chunks=num_chunks))
+
+
+@pytest.mark.parametrize("gname", ["empty", "isolated", "self_loops", "multi_edges", "star_in",
+                                   "star_out"])
+@pytest.mark.parametrize("kind", ["attention", "gated", "u_mul_e"])
+def test_edge_case_graphs_and_more_intervals_than_vertices(gname, kind):
+    g = make_graph(gname)
+    for reduce in ("sum", "max"):
+        layer = build(kind, reduce)
+        vdata, edata = inputs(g, kind, torch.float32)
+        # P above the vertex count: some intervals, and many chunks, are empty.
+        assert_streamed_equal(layer, g, vdata, edata, ngra.Engine(num_chunks=g.num_nodes + 3))
+
+
+@pytest.mark.parametrize("ordering", ["rcm", "metis"])
+def test_reordered_partition_gives_same_result(ordering):
+    pytest.importorskip("pymetis") if ordering == "metis" else None
+    g = random_graph(40, 200, seed=7)
+    layer = build("attention", "sum")
+    vdata, edata = inputs(g, "attention", torch.float32)
+    engine = ngra.Engine(num_chunks=4, ordering=ordering)
+    assert_streamed_equal(layer, g, vdata, edata, engine)
+    assert engine.last_run["ordering"] == ordering
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(num_nodes=st.integers(1, 25), num_edges=st.integers(0, 80), p=st.integers(1, 9),
+       seed=st.integers(0, 10_000), reduce=st.sampled_from(REDUCERS),
+       kind=st.sampled_from(["attention", "gated", "edge_mlp"]))
+def test_property_streamed_equals_in_memory(num_nodes, num_edges, p, seed, reduce, kind):
+    g = random_graph(num_nodes, num_edges, seed=seed)
+    layer = build(kind, reduce).double()
+    vdata, edata = inputs(g, kind, torch.float64, seed=seed)
+    assert_streamed_equal(layer, g, vdata, edata, ngra.Engine(num_chunks=p), rtol=1e-9, atol=1e-9)
+
+
+def test_softmax_layer_streams_in_two_passes_and_plan_split():
+    g = random_graph(30, 120, seed=3)
+    layer = build("attention", "sum")
+    vdata, _ = inputs(g, "attention", torch.float32)
+    plan = StreamPlan.of(ngra.compile(layer, g, vdata).ir)
+    assert [n.op for n in plan.edge] == ["gsddmm", "call_function", "edge_softmax", "gspmm"]
+    assert [n.name for n in plan.post] == ["flatten"]
+    engine = ngra.Engine(num_chunks=3)
+    with engine:
+        layer(g, vdata)
+    assert engine.last_run["passes"] == 2 and engine.last_run["num_intervals"] == 3
+
+
+def test_edge_dropout_is_consistent_across_passes_and_backward():
+    """Random ops before the softmax barrier draw the same numbers in every pass."""
+
+    class DropScores(ngra.VertexProgram):
+        def __init__(self):
+            super().__init__("sum")
+            self.drop = torch.nn.Dropout(0.5)
+
+        def apply_edge(self, e):
+            score = self.drop((e.src["h"] * e.dst["h"]).sum(-1, keepdim=True))
+            return e.src["h"] * e.softmax(score)
+
+    g = random_graph(20, 80, seed=1)
+    x = torch.randn(g.num_nodes, 4, dtype=torch.float64, requires_grad=True)
+    layer = DropScores()
+    torch.manual_seed(0)
+    with ngra.Engine(num_chunks=1):  # one chunk: same random stream as in memory
+        one = layer(g, x)
+    torch.manual_seed(0)
+    ref = layer(g, x)
+    torch.testing.assert_close(one, ref)
+    # With several chunks the draws are partitioned differently, but the forward value must be
+    # reproducible from the seed and gradients must match a finite-difference check of that value.
+    def streamed(x):
+        torch.manual_seed(0)
+        with ngra.Engine(num_chunks=3):
+            return layer(g, x)
+    torch.testing.assert_close(streamed(x), streamed(x))
+    torch.autograd.gradcheck(streamed, (x,), eps=1e-6, atol=1e-5)
+
+
+def test_memory_budget_picks_more_chunks_for_smaller_budgets():
+    g = random_graph(300, 40_000, seed=0)  # dense, so edge-level memory dominates
+    layer = build("attention", "sum", fin=16, fout=16)
+    vdata, _ = inputs(g, "attention", torch.float32, fin=16)
+    prog = ngra.compile(layer, g, vdata)
+    big = ngra.Engine(memory_budget="1GiB")
+    in_mem = big.estimate(prog, g, 1)
+    chosen = []
+    for frac in (1, 2, 4, 8):
+        assert in_mem // frac > big.estimate(prog, g, g.num_nodes, column_edges=0)
+        engine = ngra.Engine(memory_budget=in_mem // frac)
+        with engine:
+            layer(g, vdata)
+        p = engine.last_run["num_intervals"]
+        assert engine.estimate(prog, g, p) <= in_mem // frac
+        chosen.append(p)
+    assert chosen[0] == 1 and chosen == sorted(chosen) and chosen[-1] > chosen[1]
+
+
+def test_budget_below_vertex_memory_is_refused():
+    g = random_graph(200, 800)
+    layer = build("gated", "sum")
+    vdata, _ = inputs(g, "gated", torch.float32)
+    with pytest.raises(ValueError, match=r"memory_budget 1.00 KiB is below the vertex-level memory"):
+        with ngra.Engine(memory_budget="1KiB"):
+            layer(g, vdata)
+
+
+def test_engine_arguments_are_checked():
+    with pytest.raises(ValueError, match="needs memory_budget"):
+        ngra.Engine()
+    with pytest.raises(ValueError, match="give one of memory_budget, num_chunks or store"):
+        ngra.Engine(memory_budget="1GiB", num_chunks=2)
+    with pytest.raises(ValueError, match=r"num_chunks must be an int >= 1.*\(got 0\)"):
+        ngra.Engine(num_chunks=0)
+    with pytest.raises(ValueError, match="512 MiBs"):
+        ngra.Engine(memory_budget="512 MiBs")
+    assert repr(ngra.Engine(num_chunks=4)) == "Engine(num_chunks=4)"
+
+
+def test_engine_is_a_context_manager_and_nests():
+    from ngra.engine import current_engine
+
+    a, b = ngra.Engine(num_chunks=2), ngra.Engine(num_chunks=3)
+    assert current_engine() is None
+    with a:
+        assert current_engine() is a
+        with b:
+            assert current_engine() is b
+        assert current_engine() is a
+    assert current_engine() is None
+
+
+def test_streaming_from_an_on_disk_store(tmp_path):
+    g = random_graph(50, 300, seed=4)
+    store = partition.ChunkStore.write(tmp_path / "store", partition.grid(
+        g.src.numpy(), g.dst.numpy(), g.num_nodes, num_intervals=3))
+    layer = build("attention", "max")
+    vdata, _ = inputs(g, "attention", torch.float32)
+    assert_streamed_equal(layer, g, vdata, {}, ngra.Engine(store=tmp_path / "store"))
+    other = random_graph(51, 300)
+    with pytest.raises(ValueError, match="the chunk store holds a graph with 50 nodes"):
+        with ngra.Engine(store=store):
+            layer(other, torch.zeros(51, 3))
+
+
+def test_model_training_step_streamed_matches(tmp_path):
+    """A two-layer model (lifted GAT-like + gated) trains identically streamed and in memory."""
+    g = random_graph(60, 300, seed=2)
+    torch.manual_seed(0)
+    l1, l2 = build("attention", "sum", fin=5, fout=4), build("gated", "mean", fin=8, fout=3)
+    x = torch.randn(g.num_nodes, 5)
+    y = torch.randint(0, 3, (g.num_nodes,))
+
+    def step(engine):
+        params = [p.detach().clone().requires_grad_() for p in [*l1.parameters(), *l2.parameters()]]
+        with torch.no_grad():
+            for p, q in zip([*l1.parameters(), *l2.parameters()], params):
+                p.copy_(q)
+        out = None
+        if engine is None:
+            out = l2(g, torch.relu(l1(g, x)))
+        else:
+            with engine:
+                out = l2(g, torch.relu(l1(g, x)))
+        loss = torch.nn.functional.cross_entropy(out, y)
+        return loss, torch.autograd.grad(loss, [*l1.parameters(), *l2.parameters()])
+
+    loss0, g0 = step(None)
+    loss1, g1 = step(ngra.Engine(num_chunks=4))
+    torch.testing.assert_close(loss1, loss0)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert np.isfinite(loss0.item())
