@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--data-dir", metavar="DIR",
                    help="folder with planetoid/, npz/, ogb/ (default: $NGRA_DATASETS or "
                         "~/.cache/ngra/datasets); not needed for sbm, karate")
+    t.add_argument("--dataset-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="argument for the dataset loader or generator, e.g. num_nodes=100000 for sbm "
+                        "(repeatable; see ngra.datasets.load)")
     t.add_argument("--epochs", type=int, help="maximum number of epochs")
     t.add_argument("--hidden", type=int, help="hidden width (gat: per head)")
     t.add_argument("--heads", type=int, help="attention heads (gat)")
@@ -104,7 +107,8 @@ def _train(args) -> int:
     from .train import TrainConfig, fit, setup
 
     config = TrainConfig(
-        model=args.model, dataset=args.dataset, data_dir=args.data_dir, epochs=args.epochs,
+        model=args.model, dataset=args.dataset, data_dir=args.data_dir,
+        dataset_options=_options(args.dataset_option), epochs=args.epochs,
         hidden=args.hidden, heads=args.heads, num_layers=args.num_layers, dropout=args.dropout,
         lr=args.lr, weight_decay=args.weight_decay, weight_decay_on=args.weight_decay_on,
         patience=args.patience, seed=args.seed, device=args.device,
@@ -144,6 +148,25 @@ def _train(args) -> int:
         os.replace(tmp, metrics_path)
     print(f"{config.model} on {config.dataset}: {result.summary()}")
     return 0
+
+
+def _options(items: list[str]) -> dict | None:
+    """``["num_nodes=1000", "homophily=0.9", "features=degree"]`` -> a dict of int/float/str."""
+    out = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise _user("train", f"--dataset-option expects KEY=VALUE (got {item!r}), e.g. "
+                                 "--dataset-option num_nodes=100000")
+        for convert in (int, float):
+            try:
+                out[key] = convert(text)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = text
+    return out or None
 
 
 def _info(args) -> int:

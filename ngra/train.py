@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-__all__ = ["HParams", "MODEL_DEFAULTS", "TrainConfig", "TrainResult", "ConfigError", "fit", "run",
-           "evaluate", "peak_memory_bytes", "CHECKPOINT_NAME"]
+__all__ = ["HParams", "MODEL_DEFAULTS", "TrainConfig", "TrainResult", "EpochStats", "ConfigError", "fit",
+           "run", "evaluate", "compile_model", "peak_memory_bytes", "CHECKPOINT_NAME"]
 
 CHECKPOINT_NAME = "last.pt"
 _FORMAT = "ngra-checkpoint"
@@ -122,11 +122,15 @@ class TrainConfig:
     - ``memory_budget`` (bytes or a string such as ``"2GiB"``) / ``num_chunks``: run every graph
       layer inside ``ngra.Engine(...)``, streaming the graph chunk by chunk.
     - ``progress``: tqdm bar; ``log_every``: also print a line every that many epochs (0: never).
+    - ``dataset_options``: keyword arguments for the loader or generator, e.g.
+      ``{"num_nodes": 10**6}`` for sbm (see ``ngra.datasets.load``); they override ``seed`` as
+      the split seed.
     """
 
     model: str
     dataset: str
     data_dir: str | os.PathLike | None = None
+    dataset_options: dict | None = None
     epochs: int | None = None
     hidden: int | None = None
     heads: int | None = None
@@ -183,9 +187,15 @@ class TrainConfig:
         _check_int("seed", self.seed, 0, "give a non-negative integer seed such as --seed 0")
         _check_int("checkpoint_every", self.checkpoint_every, 1, "checkpoint every N >= 1 epochs")
         _check_int("log_every", self.log_every, 0, "give 0 (never) or a number of epochs")
+        if self.dataset_options is not None and not isinstance(self.dataset_options, dict):
+            raise ConfigError(f"dataset_options must be a dict of loader arguments (got "
+                              f"{type(self.dataset_options).__name__})")
         if self.resume and self.checkpoint is None:
             raise ConfigError("resume needs a checkpoint folder: pass --checkpoint DIR (the folder "
                               "the interrupted run wrote its checkpoints to) together with --resume")
+        if self.num_chunks is not None and self.memory_budget is not None:
+            raise ConfigError(f"give one of memory_budget ({self.memory_budget!r}) and num_chunks "
+                              f"({self.num_chunks!r}), not both: the budget chooses the number of chunks")
         if self.num_chunks is not None:
             _check_int("num_chunks", self.num_chunks, 1, "give a number of chunks such as --num-chunks 4")
         if self.memory_budget is not None:
@@ -485,6 +495,10 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
                    "patience": patience, "params": {k: list(v.shape) for k, v in model.state_dict().items()},
                    **(run_info or {})}
 
+    # Compile every layer's program up front (train and eval mode), so that compilation is
+    # neither in the first epoch's time nor anywhere in the random-number stream.
+    compile_model(model, d, forward_kwargs=kwargs)
+
     ckpt_path = None
     history: list[EpochStats] = []
     start, finished, resumed_from = 0, False, None
@@ -561,6 +575,22 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
         peak_memory_bytes=peak_memory_bytes(),
         peak_device_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if cuda else None,
         history=history, resumed_from=resumed_from, model=model, info=dict(run_info or {}))
+
+
+def compile_model(model: torch.nn.Module, data, *, forward_kwargs: dict | None = None) -> None:
+    """Run ``model`` once in train and once in eval mode, without gradients, so every layer
+    compiles its programs (they are cached per mode). The torch RNG state is restored
+    afterwards: the passes draw dropout masks that must not shift training's random stream."""
+    d = data if isinstance(data, _Data) else _prepare_data(data, _model_device(model))
+    was_training = model.training
+    devices = [d.x.device] if d.x.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            for mode in (True, False):
+                model.train(mode)
+                model(d.graph, d.x, **(forward_kwargs or {}))
+    finally:
+        model.train(was_training)
 
 
 def _fmt_stats(s: EpochStats) -> str:
@@ -675,10 +705,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_dataset(name: str, data_dir=None, *, seed: int = 0, normalize_features: bool | None = None):
-    """``ngra.datasets.load(name, data_dir)`` with the trainer's conventions: ``seed`` is the
-    split seed of random-split datasets (npz), ``normalize_features=None`` row-normalizes
-    bag-of-words datasets. Missing files or folders raise :class:`ConfigError`."""
+def load_dataset(name: str, data_dir=None, *, seed: int = 0, normalize_features: bool | None = None,
+                 options: dict | None = None):
+    """``ngra.datasets.load(name, data_dir, **options)`` with the trainer's conventions: ``seed``
+    is the split seed of random-split datasets (npz) unless ``options`` has one,
+    ``normalize_features=None`` row-normalizes bag-of-words datasets. Missing files or folders
+    raise :class:`ConfigError`."""
     from . import datasets
     from .datasets.npz import NPZ_FILES
 
@@ -692,7 +724,7 @@ def load_dataset(name: str, data_dir=None, *, seed: int = 0, normalize_features:
                               "--data-dir the folder that holds planetoid/, npz/ or ogb/ (for "
                               "example ../shared/datasets)")
     normalize = name in _BAG_OF_WORDS if normalize_features is None else normalize_features
-    options = {"seed": seed} if name in NPZ_FILES else {}
+    options = {**({"seed": seed} if name in NPZ_FILES else {}), **(options or {})}
     try:
         return datasets.load(name, data_dir, normalize_features=normalize, **options)
     except FileNotFoundError as e:
@@ -728,8 +760,9 @@ def _engine_context(config: TrainConfig):
                           "--num-chunks out to train in memory")
     from partition import parse_bytes
 
-    budget = None if config.memory_budget is None else parse_bytes(config.memory_budget)
-    return Engine(memory_budget=budget, num_chunks=config.num_chunks)
+    if config.num_chunks is not None:
+        return Engine(num_chunks=config.num_chunks)
+    return Engine(memory_budget=parse_bytes(config.memory_budget))
 
 
 def setup(config: TrainConfig):
@@ -741,7 +774,7 @@ def setup(config: TrainConfig):
         check_checkpoint_dir(config.checkpoint, resume=config.resume)
     engine_ctx = _engine_context(config)
     data = load_dataset(config.dataset, config.data_dir, seed=config.seed,
-                        normalize_features=config.normalize_features)
+                        normalize_features=config.normalize_features, options=config.dataset_options)
     if data.y is None or data.train_mask is None:
         raise ConfigError(f"dataset {config.dataset!r} has no labels or no training split; "
                           "choose a labelled dataset (see `ngra info --dataset NAME`)")
@@ -752,11 +785,24 @@ def setup(config: TrainConfig):
     device = _device(config.device)
     model = model.to(device)
     kwargs = {k: v.to(device) for k, v in kwargs.items()}
+    if not isinstance(engine_ctx, contextlib.nullcontext):
+        # The engine plans its chunks on the first call; a budget that no chunking can meet is
+        # the user's setting to fix, so find out now rather than inside the first epoch.
+        flag = (f"--num-chunks {config.num_chunks}" if config.num_chunks is not None
+                else f"--memory-budget {config.memory_budget}")
+        try:
+            with engine_ctx:
+                compile_model(model, data, forward_kwargs=kwargs)
+        except ValueError as e:
+            raise ConfigError(f"the streaming engine cannot run {config.model} on {config.dataset} "
+                              f"with {flag}: {e}") from e
     run_info = {"model": config.model, "dataset": config.dataset.lower(), "seed": config.seed,
                 "hidden": hp.hidden, "num_layers": hp.num_layers, "dropout": hp.dropout,
                 "normalize_features": config.normalize_features}
     if config.model == "gat":
         run_info["heads"] = hp.heads
+    if config.dataset_options:
+        run_info["dataset_options"] = {k: config.dataset_options[k] for k in sorted(config.dataset_options)}
     fit_kwargs = dict(epochs=hp.epochs, lr=hp.lr, weight_decay=hp.weight_decay,
                       weight_decay_on=hp.weight_decay_on, patience=hp.patience, forward_kwargs=kwargs,
                       checkpoint=config.checkpoint, resume=config.resume,

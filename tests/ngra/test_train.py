@@ -1,0 +1,394 @@
+"""Tests of ngra.train: the loop, model selection, checkpoints and resume, config errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import ngra
+from ngra import datasets
+from ngra.nn import MODELS, build_model
+from ngra.train import (CHECKPOINT_NAME, MODEL_DEFAULTS, ConfigError, TrainConfig, _Stopper, evaluate, fit,
+                        peak_memory_bytes, run)
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared" / "datasets"
+
+# A small planted-partition graph: trains in milliseconds per epoch, still learnable.
+SMALL_SBM = {"num_nodes": 240, "num_classes": 3, "num_features": 8, "avg_degree": 6.0,
+             "train_per_class": 10, "val_per_class": 10}
+
+
+def small_config(**kw) -> TrainConfig:
+    base = dict(model="gcn", dataset="sbm", dataset_options=SMALL_SBM, epochs=12, progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _forward_kwargs(name, graph):
+    return {"edge_type": torch.zeros(graph.num_edges, dtype=torch.int64)} if name == "rgcn" else {}
+
+
+# -- every model on every generated dataset -----------------------------------------------------
+
+@pytest.mark.parametrize("dataset", ["sbm", "karate"])
+@pytest.mark.parametrize("model", MODELS)
+def test_every_model_trains_and_loss_decreases(model, dataset):
+    options = SMALL_SBM if dataset == "sbm" else None
+    # Dropout off so that the loss of consecutive steps is comparable: the check is that the
+    # optimizer moves the model downhill, not that dropout noise happens to be small.
+    res = run(TrainConfig(model=model, dataset=dataset, dataset_options=options, epochs=15, dropout=0.0,
+                          patience=0, progress=False))
+    losses = [h.loss for h in res.history]
+    assert len(losses) == 15 and all(math.isfinite(v) for v in losses)
+    assert losses[-1] < 0.9 * losses[0], losses
+    for acc in (res.train_acc, res.test_acc):
+        assert 0.0 <= acc <= 1.0
+
+
+TINY_SBM = {**SMALL_SBM, "num_nodes": 90, "train_per_class": 5, "val_per_class": 5}
+
+
+@pytest.mark.parametrize("dataset", ["sbm", "karate"])
+@pytest.mark.parametrize("model", MODELS)
+def test_every_model_trains_streamed(model, dataset):
+    if getattr(ngra, "Engine", None) is None:
+        pytest.skip("ngra.Engine (the streaming engine) does not exist yet")
+    common = dict(model=model, dataset=dataset, dataset_options=TINY_SBM if dataset == "sbm" else None,
+                  epochs=8, dropout=0.0, patience=0, progress=False)
+    mem = run(TrainConfig(**common))
+    streamed = run(TrainConfig(**common, num_chunks=3))
+    got = [h.loss for h in streamed.history]
+    want = [h.loss for h in mem.history]
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert got[-1] < 0.9 * got[0], got
+
+
+def test_gcn_learns_the_default_sbm():
+    # What `make train` runs (100 epochs there; 60 here to stay quick): far above chance (1/7).
+    res = run(TrainConfig(model="gcn", dataset="sbm", epochs=60, progress=False))
+    assert res.test_acc > 0.7, res.summary()
+
+
+@pytest.mark.slow
+def test_gcn_on_cora_one_seed():
+    if not (SHARED / "planetoid" / "cora").is_dir():
+        pytest.skip(f"{SHARED}/planetoid/cora not found")
+    res = run(TrainConfig(model="gcn", dataset="cora", data_dir=SHARED, epochs=100, progress=False))
+    assert res.test_acc > 0.75, res.summary()
+
+
+# -- result record ------------------------------------------------------------------------------
+
+def test_result_fields_and_json():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    res = run(small_config())
+    d = res.to_dict()
+    for key in ("train_acc", "val_acc", "test_acc"):
+        assert 0.0 <= d[key] <= 1.0
+    assert d["epoch_time_s"] > 0
+    # ru_maxrss is in KiB on Linux and never decreases.
+    assert before * 1024 <= d["peak_memory_bytes"] <= peak_memory_bytes()
+    assert d["epochs_run"] == 12 and len(d["history"]) == 12 and d["resumed_from"] is None
+    assert d["info"]["model"] == "gcn" and d["info"]["lr"] == MODEL_DEFAULTS["gcn"].lr
+    json.dumps(d)  # plain JSON
+    assert "test_acc" in res.summary() and "best epoch" in repr(res)
+
+
+def test_reported_accuracies_are_those_of_the_selected_model():
+    res = run(small_config(epochs=20))
+    again = evaluate(res.model, datasets.load("sbm", **SMALL_SBM))
+    assert again["test_acc"] == res.test_acc and again["val_acc"] == res.val_acc
+    best = res.history[res.best_epoch - 1]
+    assert best.val_acc == res.val_acc and best.train_acc == res.train_acc
+
+
+def test_same_seed_same_model_other_seed_other_model():
+    a, b, c = run(small_config()), run(small_config()), run(small_config(seed=1))
+    for (k, va), vb in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        assert torch.equal(va, vb), k
+    assert not all(torch.equal(x, y) for x, y in zip(a.model.parameters(), c.model.parameters()))
+
+
+def test_karate_without_validation_selects_last_epoch():
+    res = run(TrainConfig(model="gcn", dataset="karate", epochs=5, progress=False))
+    assert res.val_acc is None and res.best_epoch == 5 and res.history[-1].val_acc is None
+
+
+def test_weight_decay_on_first_layer_only(monkeypatch):
+    groups = []
+    real = torch.optim.Adam
+
+    def spy(params, **kw):
+        groups.extend(params)
+        return real(params, **kw)
+
+    monkeypatch.setattr(torch.optim, "Adam", spy)
+    res = run(small_config(epochs=1))
+    first = {id(p) for p in res.model.layers[0].parameters()}
+    assert [g["weight_decay"] for g in groups] == [5e-4, 0.0]
+    assert {id(p) for p in groups[0]["params"]} == first
+    assert not first & {id(p) for p in groups[1]["params"]}
+
+
+# -- early stopping -----------------------------------------------------------------------------
+
+def _feed(stopper, seq):
+    model = torch.nn.Linear(1, 1)
+    out = []
+    for epoch, (acc, loss) in enumerate(seq, 1):
+        with torch.no_grad():
+            model.weight.fill_(epoch)
+        out.append(stopper.update(epoch, acc, loss, model))
+    return out
+
+
+def test_stopper_follows_gat_rule():
+    s = _Stopper(patience=2)
+    stops = _feed(s, [(0.5, 1.0), (0.6, 0.9), (0.6, 0.95), (0.55, 0.8), (0.5, 0.85), (0.5, 0.9)])
+    # epoch 3 improves (acc ties the best), epoch 4 improves (loss), 5 and 6 do not -> stop at 6.
+    assert stops == [False, False, False, False, False, True]
+    # Selected: the last epoch where acc >= best and loss <= best held together: epoch 2.
+    assert s.best_epoch == 2 and float(s.best_state["weight"]) == 2.0
+    assert (s.best_acc, s.best_loss, s.bad_epochs) == (0.6, 0.8, 2)
+
+
+def test_stopper_without_patience_never_stops():
+    s = _Stopper(patience=None)
+    assert not any(_feed(s, [(0.5, 1.0)] + [(0.1, 9.0)] * 50))
+    assert s.best_epoch == 1
+
+
+def test_early_stopping_ends_the_run():
+    res = run(small_config(epochs=400, patience=5))
+    assert res.stopped_early and res.epochs_run < 400
+    assert res.best_epoch <= res.epochs_run - 5
+
+
+# -- checkpoints and resume ---------------------------------------------------------------------
+
+class _Kill(Exception):
+    pass
+
+
+def _kill_at(k):
+    def hook(stats):
+        if stats.epoch == k:
+            raise _Kill
+    return hook
+
+
+def _checkpoint(path):
+    return torch.load(Path(path) / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
+
+
+def _assert_same_run(a: dict, b: dict):
+    assert a["epoch"] == b["epoch"]
+    for part in ("model",):
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), (part, k)
+    for k in a["stopper"]["best_state"]:
+        assert torch.equal(a["stopper"]["best_state"][k], b["stopper"]["best_state"][k]), k
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(sa[i][k], sb[i][k]), (i, k)
+    strip = [{k: v for k, v in h.items() if k != "time_s"} for h in a["history"]]
+    assert strip == [{k: v for k, v in h.items() if k != "time_s"} for h in b["history"]]
+
+
+@pytest.mark.parametrize("model", ["gcn", "gat"])
+def test_resume_after_interruption_gives_the_uninterrupted_model(tmp_path, model):
+    # gat draws dropout masks on features and attention: the RNG state must be restored.
+    cfg = dict(model=model, epochs=14, patience=30)
+    full = run(small_config(**cfg, checkpoint=tmp_path / "a"))
+    with pytest.raises(_Kill):
+        run(small_config(**cfg, checkpoint=tmp_path / "b"), on_epoch=_kill_at(6))
+    assert _checkpoint(tmp_path / "b")["epoch"] == 6
+    resumed = run(small_config(**cfg, checkpoint=tmp_path / "b", resume=True))
+    assert resumed.resumed_from == 6 and resumed.epochs_run == 14
+    for (k, va), vb in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(va, vb), k
+    assert (resumed.test_acc, resumed.best_epoch) == (full.test_acc, full.best_epoch)
+    _assert_same_run(_checkpoint(tmp_path / "a"), _checkpoint(tmp_path / "b"))
+
+
+def test_resume_a_finished_run_trains_further(tmp_path):
+    full = run(small_config(epochs=10, checkpoint=tmp_path / "a"))
+    run(small_config(epochs=6, checkpoint=tmp_path / "b"))
+    more = run(small_config(epochs=10, checkpoint=tmp_path / "b", resume=True))
+    assert more.resumed_from == 6 and more.epochs_run == 10
+    _assert_same_run(_checkpoint(tmp_path / "a"), _checkpoint(tmp_path / "b"))
+    again = run(small_config(epochs=10, checkpoint=tmp_path / "b", resume=True))
+    assert again.epochs_run == 10 and again.epoch_time_s is None
+    assert again.test_acc == full.test_acc
+
+
+_KILLED_RUN = textwrap.dedent("""
+    import os, signal, sys
+    from ngra.train import TrainConfig, run
+    opts = {options!r}
+    def hook(stats):
+        if stats.epoch == 5:
+            os.kill(os.getpid(), signal.SIGKILL)  # after epoch 5's checkpoint is on disk
+    run(TrainConfig(model="gat", dataset="sbm", dataset_options=opts, epochs=12, patience=30,
+                    checkpoint=sys.argv[1], progress=False), on_epoch=hook)
+""")
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_from_the_command_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    killed = subprocess.run([sys.executable, "-c", _KILLED_RUN.format(options=SMALL_SBM), str(tmp_path / "b")],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert _checkpoint(tmp_path / "b")["epoch"] == 5
+    opts = [a for k, v in SMALL_SBM.items() for a in ("--dataset-option", f"{k}={v}")]
+    resumed = subprocess.run(
+        [sys.executable, "-m", "ngra", "train", "--model", "gat", "--dataset", "sbm", *opts, "--epochs", "12",
+         "--patience", "30", "--checkpoint", str(tmp_path / "b"), "--resume", "--no-progress",
+         "--metrics-json", str(tmp_path / "m.json")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    full = run(small_config(model="gat", epochs=12, patience=30, checkpoint=tmp_path / "a"))
+    _assert_same_run(_checkpoint(tmp_path / "a"), _checkpoint(tmp_path / "b"))
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert metrics["resumed_from"] == 5 and metrics["test_acc"] == full.test_acc
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    run(small_config(epochs=3, checkpoint=tmp_path))
+    good = (tmp_path / CHECKPOINT_NAME).read_bytes()
+    real_save = torch.save
+
+    def torn_save(obj, f):
+        real_save({"half": torch.zeros(10)}, f)  # part of a file, then the "crash"
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(OSError, match="disk full"):
+        run(small_config(epochs=5, checkpoint=tmp_path, resume=True))
+    assert (tmp_path / CHECKPOINT_NAME).read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_NAME]
+
+
+def test_resume_ignores_a_stale_temporary_file(tmp_path):
+    run(small_config(epochs=3, checkpoint=tmp_path))
+    (tmp_path / f".{CHECKPOINT_NAME}.99999.tmp").write_bytes(b"torn")
+    assert run(small_config(epochs=4, checkpoint=tmp_path, resume=True)).epochs_run == 4
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, match", [
+    ({"epochs": -5}, r"epochs must be an integer >= 1 \(got -5\)"),
+    ({"epochs": 0}, r"epochs must be an integer >= 1 \(got 0\)"),
+    ({"epochs": 2.5}, r"epochs must be an integer"),
+    ({"lr": 0.0}, r"lr must be a number > 0.0 \(got 0.0\)"),
+    ({"lr": -1e-3}, r"lr must be a number > 0.0"),
+    ({"lr": float("nan")}, r"lr must be a number"),
+    ({"dropout": 1.0}, r"dropout must be a number in \[0.0, 1.0\) \(got 1.0\)"),
+    ({"dropout": -0.1}, r"dropout must be a number in \[0.0, 1.0\)"),
+    ({"weight_decay": -1.0}, r"weight_decay must be a number >= 0.0"),
+    ({"hidden": 0}, r"hidden must be an integer >= 1"),
+    ({"patience": -1}, r"patience must be an integer >= 0"),
+    ({"seed": -1}, r"seed must be an integer >= 0"),
+    ({"model": "gcnn"}, r"unknown model 'gcnn'; choose one of gcn, sage"),
+    ({"dataset": "corra"}, r"unknown dataset 'corra'; choose one of cora"),
+    ({"resume": True}, r"resume needs a checkpoint folder: pass --checkpoint DIR"),
+    ({"num_chunks": 0}, r"num_chunks must be an integer >= 1"),
+    ({"memory_budget": "12M"}, r"memory_budget '12M' is not a memory size"),
+    ({"device": "gpu7"}, r"device 'gpu7' is not a torch device"),
+    ({"weight_decay_on": "last"}, r"weight_decay_on must be 'first' or 'all'"),
+])
+def test_bad_settings_raise_config_error(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        run(small_config(**kw))
+
+
+def test_missing_data_dir(tmp_path):
+    with pytest.raises(ConfigError, match=r"data directory .*nope.* does not exist.*--data-dir"):
+        run(TrainConfig(model="gcn", dataset="cora", data_dir=tmp_path / "nope", progress=False))
+    with pytest.raises(ConfigError, match=r"not found.*or pass --data-dir"):
+        run(TrainConfig(model="gcn", dataset="amazon-computers", data_dir=tmp_path, progress=False))
+
+
+def test_unlabelled_dataset_is_refused():
+    with pytest.raises(ConfigError, match=r"dataset 'rmat' has no labels"):
+        run(TrainConfig(model="gcn", dataset="rmat", dataset_options={"scale": 4, "num_edges": 20},
+                        progress=False))
+
+
+def test_patience_without_validation_is_refused():
+    with pytest.raises(ConfigError, match=r"no validation vertices.*--patience 0"):
+        run(TrainConfig(model="gat", dataset="karate", progress=False))
+
+
+def test_checkpoint_folder_rules(tmp_path):
+    with pytest.raises(ConfigError, match=r"resume asked but .*last.pt does not exist"):
+        run(small_config(checkpoint=tmp_path / "empty", resume=True))
+    run(small_config(epochs=2, checkpoint=tmp_path / "c"))
+    with pytest.raises(ConfigError, match=r"already holds a checkpoint; pass --resume"):
+        run(small_config(epochs=2, checkpoint=tmp_path / "c"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"is a file"):
+        run(small_config(checkpoint=tmp_path / "file"))
+
+
+def test_resume_with_other_settings_is_refused(tmp_path):
+    run(small_config(epochs=2, checkpoint=tmp_path))
+    with pytest.raises(ConfigError, match=r"other settings \(lr: checkpoint 0.01, now 0.02\)"):
+        run(small_config(epochs=4, lr=0.02, checkpoint=tmp_path, resume=True))
+    with pytest.raises(ConfigError, match=r"hidden: checkpoint 16, now 32"):
+        run(small_config(epochs=4, hidden=32, checkpoint=tmp_path, resume=True))
+
+
+def test_corrupt_checkpoint_is_refused(tmp_path):
+    (tmp_path / CHECKPOINT_NAME).write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match=r"not a readable ngra checkpoint"):
+        run(small_config(checkpoint=tmp_path, resume=True))
+
+
+def test_streaming_flags_are_checked():
+    with pytest.raises(ConfigError, match=r"give one of memory_budget \('1GiB'\) and num_chunks \(2\), not both"):
+        run(small_config(num_chunks=2, memory_budget="1GiB"))
+    if getattr(ngra, "Engine", None) is not None:
+        with pytest.raises(ConfigError, match=r"streaming engine cannot run gcn on sbm with --memory-budget 1KiB"):
+            run(small_config(memory_budget="1KiB"))
+
+
+def test_streaming_flags_without_engine_say_so():
+    if getattr(ngra, "Engine", None) is not None:
+        pytest.skip("ngra.Engine exists; test_every_model_trains_streamed covers the flags")
+    with pytest.raises(ConfigError, match=r"need the streaming engine \(ngra.Engine\).*does not have yet"):
+        run(small_config(num_chunks=2))
+
+
+def test_fit_checks_its_arguments():
+    data = datasets.load("sbm", **SMALL_SBM)
+    model = build_model("gcn", data.num_features, 8, data.num_classes)
+    with pytest.raises(ConfigError, match=r"epochs must be an integer >= 1 \(got 0\)"):
+        fit(model, data, epochs=0, lr=0.01)
+    with pytest.raises(ConfigError, match=r"resume=True needs checkpoint=DIR"):
+        fit(model, data, epochs=1, lr=0.01, resume=True)
+    with pytest.raises(ConfigError, match=r"weight_decay_on='first' needs a model with a first layer"):
+        fit(torch.nn.Linear(8, 3), data, epochs=1, lr=0.01, weight_decay=1e-3, weight_decay_on="first")
+
+
+def test_fit_with_a_plain_model_and_forward_kwargs():
+    data = datasets.load("sbm", **SMALL_SBM)
+    torch.manual_seed(0)
+    model = build_model("rgcn", data.num_features, 8, data.num_classes, num_relations=1)
+    res = fit(model, data, epochs=5, lr=0.01, forward_kwargs=_forward_kwargs("rgcn", data.graph),
+              progress=False)
+    assert res.epochs_run == 5 and res.model is model
