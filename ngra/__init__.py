@@ -8,6 +8,7 @@ Everything else is importable but not advertised.
 from . import datasets
 from . import function as fn
 from . import nn
+from . import profile
 from .engine import Engine
 from .graph import Graph
 from .ir import IR, IRError
@@ -15,5 +16,5 @@ from .program import NgraWarning, Program, VertexProgram, compile
 
 __version__ = "0.1.0"
 
-__all__ = ["Graph", "VertexProgram", "Program", "compile", "fn", "Engine", "datasets", "nn", "IR",
+__all__ = ["Graph", "VertexProgram", "Program", "compile", "fn", "Engine", "datasets", "nn", "profile", "IR",
            "IRError", "NgraWarning"]

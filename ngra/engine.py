@@ -46,6 +46,7 @@ import torch.utils.checkpoint
 
 import partition
 
+from . import profile
 from .executor import GraphOps, eval_node
 from .ir import IR, Node, map_nodes
 from .passes import is_pure
@@ -356,8 +357,9 @@ class _Run:
         load = lambda n: env[id(n)]  # noqa: E731
         full_ops = None  # pre/post nodes never touch the graph
         for n in plan.pre:
-            env[id(n)] = eval_node(n, map_nodes(n.args, load), map_nodes(n.kwargs, load),
-                                   self.layer, full_ops, self.vdata, self.edata)
+            args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
+            env[id(n)] = self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, full_ops,
+                                                         self.vdata, self.edata))
         # Vertex operands of the edge part, in the partition's vertex order.
         needed = [n for n in plan.pre if id(n) in plan.needs]
         vert = {id(n): self._to_new(env[id(n)]) if n.domain == "vertex" else env[id(n)]
@@ -383,13 +385,20 @@ class _Run:
             parts = [c[k] for c in columns_out]
             env[id(r)] = self._to_old(torch.cat(parts, 0) if parts else None)
         for n in plan.post:
-            env[id(n)] = eval_node(n, map_nodes(n.args, load), map_nodes(n.kwargs, load),
-                                   self.layer, full_ops, self.vdata, self.edata)
+            args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
+            env[id(n)] = self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, full_ops,
+                                                         self.vdata, self.edata))
         self.engine.last_run = {"num_intervals": p, "chunks": int((self.grid.counts > 0).sum()),
                                 "passes": 1 + len(plan.softmaxes),
                                 "ordering": self.grid.ordering_method}
         out = self.program.ir.output.args[0]
         return env[id(out)]
+
+    def _eval(self, n: Node, fn):
+        prof = profile.current()
+        if prof is None or n.stage is None:
+            return fn()
+        return profile.timed(prof, self.layer, n, fn)
 
     def _to_new(self, x):
         return x if self.identity else x.index_select(0, self.perm)
@@ -459,20 +468,22 @@ class _Run:
                 continue
             if n.op in _REDUCTIONS:
                 if final:
-                    self._reduce(n, ch, ops, load, accs)
+                    self._eval(n, lambda: self._reduce(n, ch, ops, load, accs))
                 continue
             if n.op == "scatter":  # vertex operands are sliced to the interval they index
                 x = load(n.args[0])
-                env[id(n)] = ops.scatter(x[ch.src] if n.target == "src" else x[ch.dst], n.target)
+                x = x[ch.src] if n.target == "src" else x[ch.dst]
+                env[id(n)] = self._eval(n, lambda: ops.scatter(x, n.target))
                 continue
             if n.op == "gsddmm":
                 u, v, e = n.args
-                env[id(n)] = ops.gsddmm(n.target, None if u is None else load(u)[ch.src],
-                                        None if v is None else load(v)[ch.dst],
-                                        None if e is None else load(e))
+                uv = (None if u is None else load(u)[ch.src], None if v is None else load(v)[ch.dst],
+                      None if e is None else load(e))
+                env[id(n)] = self._eval(n, lambda: ops.gsddmm(n.target, *uv))
                 continue
-            env[id(n)] = eval_node(n, map_nodes(n.args, load), map_nodes(n.kwargs, load),
-                                   self.layer, ops, self.vdata, self.edata)
+            args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
+            env[id(n)] = self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, ops,
+                                                         self.vdata, self.edata))
 
     def _reduce(self, n: Node, ch: _Prepared, ops: GraphOps, load, accs):
         reduce = _reducer(n)
@@ -495,6 +506,7 @@ class _Run:
         else:
             acc = part if acc is None else acc + part
         accs[id(n)] = acc
+        return acc
 
 
 def _reducer(n: Node) -> str:

@@ -14,6 +14,7 @@ import torch
 
 import kernels
 
+from . import profile
 from .batch import EdgeBatch, VertexBatch, check_message, check_scatter
 from .ir import IR, Node, map_nodes
 
@@ -141,11 +142,16 @@ def run_ir(ir: IR, layer: torch.nn.Module, ops: GraphOps, vdata: dict, edata: di
     env: dict[int, Any] = {}
     drops = _last_uses(ir)
     load = lambda n: env[id(n)]  # noqa: E731
+    prof = profile.current() if record is None else None
     for i, n in enumerate(ir.nodes):
         if n.op == "output":
             return load(n.args[0])
-        val = eval_node(n, map_nodes(n.args, load), map_nodes(n.kwargs, load), layer, ops,
-                        vdata, edata)
+        args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
+        if prof is not None and n.stage is not None:
+            val = profile.timed(prof, layer, n, lambda: eval_node(n, args, kwargs, layer, ops,
+                                                                  vdata, edata))
+        else:
+            val = eval_node(n, args, kwargs, layer, ops, vdata, edata)
         env[id(n)] = val
         if record is not None:
             record[id(n)] = val

@@ -28,6 +28,7 @@ Node ops:
 ``output``         args ``(value,)``: the layer's result
 =================  ==================================================================================
 
+Each compute node also records the SAGA ``stage`` its work belongs to (for profiling).
 After shape propagation each tensor-valued node carries ``node.shape`` (leading dim written
 symbolically as ``"N"`` or ``"E"``) and ``node.dtype``; they show in the printed IR.
 """
@@ -56,10 +57,11 @@ class IRError(ValueError):
 class Node:
     """One value of the dataflow graph (see the module docstring for ``op``/``target``)."""
 
-    __slots__ = ("name", "op", "target", "args", "kwargs", "domain", "shape", "dtype", "value")
+    __slots__ = ("name", "op", "target", "args", "kwargs", "domain", "shape", "dtype", "value",
+                 "stage")
 
     def __init__(self, name: str, op: str, target: Any, args: tuple = (), kwargs: dict | None = None,
-                 domain: str = "param", *, value: Any = None):
+                 domain: str = "param", *, value: Any = None, stage: str | None = None):
         self.name = name
         self.op = op
         self.target = target
@@ -69,6 +71,10 @@ class Node:
         self.shape: tuple | None = None
         self.dtype: torch.dtype | None = None
         self.value = value
+        # The SAGA stage the node's work belongs to (Scatter, ApplyEdge, Gather, ApplyVertex), for
+        # per-stage profiling; None for inputs and parameters. Passes keep it: a lifted ApplyEdge
+        # computation stays ApplyEdge work; a fused g-SpMM counts as Gather.
+        self.stage = stage
 
     def inputs(self) -> list["Node"]:
         """The nodes this node reads, in argument order, without repeats."""
@@ -159,7 +165,7 @@ class IR:
         mapping: dict[int, Node] = {}
         nodes = []
         for n in self.nodes:
-            c = Node(n.name, n.op, n.target, (), None, n.domain, value=n.value)
+            c = Node(n.name, n.op, n.target, (), None, n.domain, value=n.value, stage=n.stage)
             c.args = map_nodes(n.args, lambda x: mapping[id(x)])
             c.kwargs = map_nodes(n.kwargs, lambda x: mapping[id(x)])
             c.shape, c.dtype = n.shape, n.dtype

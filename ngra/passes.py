@@ -256,9 +256,10 @@ def lift(ir: IR) -> IR:
                     vn = Node(name, n.op, n.target,
                               map_nodes(n.args, lambda a: vert.get(id(a), a)),
                               map_nodes(n.kwargs, lambda a: vert.get(id(a), a)),
-                              "vertex", value=n.value)
+                              "vertex", value=n.value, stage=n.stage)
                     vn.shape, vn.dtype = ("N", *n.shape[1:]), n.dtype
-                    sc = Node(ir.fresh_name(f"{name}_{side}"), "scatter", side, (vn,), {}, "edge")
+                    sc = Node(ir.fresh_name(f"{name}_{side}"), "scatter", side, (vn,), {}, "edge",
+                              stage="Scatter")
                     sc.shape, sc.dtype = n.shape, n.dtype
                     ir.nodes[i:i + 1] = [vn, sc]
                     ir.replace_all_uses(n, sc)
@@ -303,6 +304,9 @@ def _operand(a):
 def _replace(ir: IR, old: Node, new: Node) -> None:
     i = next(k for k, m in enumerate(ir.nodes) if m is old)
     new.shape, new.dtype = old.shape, old.dtype
+    # gsddmm does Scatter + ApplyEdge work; a fused gspmm does Scatter + ApplyEdge + Gather and is
+    # reported as Gather.
+    new.stage = "Gather" if new.op == "gspmm" else "ApplyEdge"
     ir.nodes[i] = new
     ir.replace_all_uses(old, new)
 

@@ -8,9 +8,11 @@ from typing import Any, Mapping
 import torch
 
 from . import function as fn
+from . import profile
 from .executor import GraphOps, propagate_shapes, run_eager, run_ir
 from .graph import Graph
 from .ir import IR
+from .ir import Node as IRNode
 from .passes import optimize
 from .trace import TraceFailure, trace
 
@@ -177,6 +179,10 @@ class Program:
             vdata, edata = check_inputs(self.layer, g, vdata, edata)
         ops = GraphOps(g.in_csr(), backend)
         if self.eager:
+            prof = profile.current()
+            if prof is not None:
+                return profile.timed(prof, self.layer, _EAGER_NODE,
+                                     lambda: run_eager(self.layer, ops, vdata, edata, self.reduce))
             return run_eager(self.layer, ops, vdata, edata, self.reduce)
         return run_ir(self.ir if fused else self.raw_ir, self.layer, ops, vdata, edata)
 
@@ -187,6 +193,9 @@ class Program:
         if self.eager:
             return f"{head}\n  eager: {self.reason}"
         return f"{head}\n{self.ir}"
+
+
+_EAGER_NODE = IRNode("eager", "call_function", None, domain="vertex", stage="Eager")
 
 
 def _describe_sig(vsig, esig) -> str:

@@ -73,19 +73,26 @@ class _SagaRoot(torch.nn.Module):
         self.layer = layer
         self._vnames, self._enames, self._reduce = vnames, enames, reduce
         self._tracer = None
+        self._stages: list = []  # (number of fx nodes when the stage began, stage)
+
+    def _begin(self, stage):
+        self._stages.append((len(self._tracer.graph.nodes), stage))
 
     def forward(self, inputs):
         tracer = self._tracer
         vdata = {k: inputs["vertex:" + k] for k in self._vnames}
         edata = {k: inputs["edge:" + k] for k in self._enames}
         v = VertexBatch(vdata)
+        self._begin("Scatter")
         scattered = check_scatter(self.layer, self.layer.scatter(v))
         e = EdgeBatch(_SymbolicEdges(tracer), scattered, edata)
+        self._begin("ApplyEdge")
         msg = self.layer.apply_edge(e)
         if not isinstance(msg, torch.fx.Proxy):
             raise TypeError(f"{type(self.layer).__name__}.apply_edge must return a tensor computed "
                             f"from e.src / e.dst / e.data (got {type(msg).__name__})")
         acc = tracer.create_proxy("call_function", _gather, (msg, self._reduce), {})
+        self._begin("ApplyVertex")
         return self.layer.apply_vertex(v, acc)
 
 
@@ -130,6 +137,8 @@ def _to_ir(fx_graph: torch.fx.Graph, root: _SagaRoot) -> IR:
     ir = IR()
     env: dict[torch.fx.Node, Any] = {}
     placeholder = None
+    boundaries = list(root._stages)
+    stage = None
 
     def arg(a):
         return torch.fx.node.map_arg(a, lambda n: env[n])
@@ -140,10 +149,15 @@ def _to_ir(fx_graph: torch.fx.Graph, root: _SagaRoot) -> IR:
         if domain is None:
             doms = {n.domain for n in map_nodes_list((args, kwargs))}
             domain = "edge" if "edge" in doms else "vertex" if "vertex" in doms else "param"
-        node = Node(ir.fresh_name(name), op, target, args, kwargs, domain, value=value)
+        node_stage = None if op in ("input", "get_attr", "const", "output") else \
+            {"scatter": "Scatter", "gather": "Gather"}.get(op, stage)
+        node = Node(ir.fresh_name(name), op, target, args, kwargs, domain, value=value,
+                    stage=node_stage)
         return ir.append(node)
 
-    for n in fx_graph.nodes:
+    for index, n in enumerate(fx_graph.nodes):
+        while boundaries and boundaries[0][0] <= index:
+            stage = boundaries.pop(0)[1]
         if n.op == "placeholder":
             placeholder = n
             continue
