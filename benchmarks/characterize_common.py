@@ -103,23 +103,24 @@ def tiny_subgraph(gd: dict, n: int = 2000) -> dict:
 
 # -- the measurement loop ---------------------------------------------------------------------------
 def measure(runner, mode: str, repeats: int, max_seconds: float) -> dict:
-    """Run ``runner(mode)`` (one inference forward, or one training step) ``repeats`` times and
-    keep the fastest. ``runner`` returns ``(forward_seconds, stages, backward_seconds)``.
+    """One warm-up run of ``runner(mode)`` (one inference forward, or one training step), then
+    up to ``repeats`` timed runs; the fastest is kept. ``runner`` returns ``(forward_seconds,
+    stages, backward_seconds)``.
 
-    The first run's peak memory is the reported peak (see the module docstring). Repeats stop
-    early once ``max_seconds`` have passed; the record says how many ran.
+    The warm-up run's peak memory is the reported peak (see the module docstring); it is not
+    timed (first-touch and allocator effects), unless ``max_seconds`` ran out before any timed
+    run, in which case the record says ``repeats: 0`` and holds the warm-up's times.
     """
     base = reset_peak()
-    runs = []
     start = time.perf_counter()
-    peak = None
-    for i in range(repeats):
-        runs.append(runner(mode))
-        if i == 0:
-            peak = peak_since(base)
+    first = runner(mode)
+    peak = peak_since(base)
+    runs = []
+    for _ in range(repeats):
         if time.perf_counter() - start > max_seconds:
             break
-    fwd, stages, bwd = min(runs, key=lambda r: r[0] + r[2])
+        runs.append(runner(mode))
+    fwd, stages, bwd = min(runs or [first], key=lambda r: r[0] + r[2])
     return {"mode": mode, "forward": fwd, "backward": bwd, "total": fwd + bwd, "stages": stages,
             "peak_bytes": peak, "repeats": len(runs)}
 
