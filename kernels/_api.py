@@ -86,7 +86,9 @@ def gspmm(csr, op, reduce, u=None, e=None, backend="auto"):
 class _GSpMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, csr, mod, binop, reduce, u, e):
-        out, arg = mod.spmm(csr, binop, reduce, u, e)
+        # The arg-max/min edge is only needed to route gradients.
+        need_arg = reduce in ("max", "min") and any(ctx.needs_input_grad[4:6])
+        out, arg = mod.spmm(csr, binop, reduce, u, e, need_arg=need_arg)
         ctx.csr, ctx.mod, ctx.binop, ctx.reduce = csr, mod, binop, reduce
         ctx.fu, ctx.fe = _feat(u), _feat(e)
         ctx.save_for_backward(u, e, arg)

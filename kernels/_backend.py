@@ -2,9 +2,10 @@
 
 A backend module provides the primitives the autograd Functions are written against:
 
-- ``spmm(csr, binop, reduce, lhs, rhs) -> (out, arg)``: ``out`` [num_dst, *fo]; ``reduce`` in
-  sum/mean/max/min; for max/min ``arg`` [num_dst, *fo] int64 holds the original edge id chosen
-  for each output element (-1 for destinations with no in-edge), else ``None``.
+- ``spmm(csr, binop, reduce, lhs, rhs, need_arg=True) -> (out, arg)``: ``out`` [num_dst, *fo];
+  ``reduce`` in sum/mean/max/min; for max/min with ``need_arg``, ``arg`` [num_dst, *fo] int64
+  holds the original edge id chosen for each output element (-1 for destinations with no
+  in-edge), else ``None``.
 - ``sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target) -> out`` [E, *fo] in original edge order.
 - ``edge_softmax(csr, scores) -> y`` and ``edge_softmax_backward(csr, y, grad_y) -> grad_scores``.
 """

@@ -20,7 +20,11 @@ import threading
 import numba
 import numpy as np
 import torch
+from llvmlite import binding as _llvm
+from llvmlite import ir
 from numba import njit, prange
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from ._ops import bcast_offsets, out_feat_shape
 
@@ -52,7 +56,10 @@ S_SAME = 1
 S_DOT = 2
 S_GENERIC = 3
 
-_ROW_COST = 4  # a row costs about as much as this many edges (loop setup, output write)
+_ROW_COST = 4
+PREFETCH = 12  # edges ahead; about the misses two cores can keep in flight without waste
+# LLVM >= 15 names the intrinsic by opaque pointer type.
+_PREFETCH_NAME = "llvm.prefetch.p0" if _llvm.llvm_version_info[0] >= 15 else "llvm.prefetch.p0i8"  # a row costs about as much as this many edges (loop setup, output write)
 
 
 def check_device(device):
@@ -79,10 +86,45 @@ def _bop(op, a, b):
     return a
 
 
+@intrinsic
+def _prefetch(typingctx, arr, row, col):
+    """Hint the CPU to fetch the cache line holding ``arr[row, col]`` (llvm.prefetch, read)."""
+    if not isinstance(arr, types.Array) or arr.ndim != 2:
+        return None
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        inds = [context.cast(builder, args[i], sig.args[i], types.intp) for i in (1, 2)]
+        ptr = cgutils.get_item_pointer2(
+            context, builder, data=ary.data, shape=cgutils.unpack_tuple(builder, ary.shape),
+            strides=cgutils.unpack_tuple(builder, ary.strides), layout=aryty.layout, inds=inds,
+            wraparound=False)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH_NAME)
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, row, col), codegen
+
+
+@njit(inline="always")
+def _prefetch_row(X, r, n, line):
+    for c in range(0, n, line):
+        _prefetch(X, r, c)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _spmm_sum(parts, indptr, indices, eids, U, W, out, op, mode, inner, loff, roff, mean):
     lo = out.shape[1]
+    lu = U.shape[1]
+    lw = W.shape[1]
+    uline = max(1, 64 // U.itemsize)
     for p in prange(parts.size - 1):
+        # Source rows are random reads: prefetch the row PREFETCH edges ahead, across row
+        # boundaries (most rows are short), so several misses are in flight at once.
+        pend = indptr[parts[p + 1]]
         for v in range(parts[p], parts[p + 1]):
             beg = indptr[v]
             end = indptr[v + 1]
@@ -91,17 +133,23 @@ def _spmm_sum(parts, indptr, indices, eids, U, W, out, op, mode, inner, loff, ro
                 orow[f] = 0
             if mode == M_COPY_U:
                 for k in range(beg, end):
+                    if k + PREFETCH < pend:
+                        _prefetch_row(U, indices[k + PREFETCH], lu, uline)
                     urow = U[indices[k]]
                     for f in range(lo):
                         orow[f] += urow[f]
             elif mode == M_COPY_E:
                 for k in range(beg, end):
+                    if k + PREFETCH < pend:
+                        _prefetch_row(W, eids[k + PREFETCH], lw, uline)
                     erow = W[eids[k]]
                     for f in range(lo):
                         orow[f] += erow[f]
             elif mode == M_BLOCK_E:
                 nb = lo // inner
                 for k in range(beg, end):
+                    if k + PREFETCH < pend:
+                        _prefetch_row(U, indices[k + PREFETCH], lu, uline)
                     urow = U[indices[k]]
                     erow = W[eids[k]]
                     for b in range(nb):
@@ -142,42 +190,70 @@ def _msg(op, mode, inner, U, W, s, eid, f, loff, roff):
     return _bop(op, U[s, loff[f]], W[eid, roff[f]])
 
 
+@njit(inline="always")
+def _take(is_max, m, o):
+    return m > o if is_max else m < o
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _spmm_maxmin(parts, indptr, indices, eids, U, W, out, arg, op, mode, inner, loff, roff,
-                 is_max):
+                 is_max, with_arg):
+    """max/min; with ``with_arg`` also the edge id attaining it (only needed for backward)."""
     lo = out.shape[1]
+    lu = U.shape[1]
+    uline = max(1, 64 // U.itemsize)
     for p in prange(parts.size - 1):
+        pend = indptr[parts[p + 1]]
         for v in range(parts[p], parts[p + 1]):
             beg = indptr[v]
             end = indptr[v + 1]
             orow = out[v]
-            arow = arg[v]
+            arow = arg[v] if with_arg else arg[0]
             if beg == end:
                 for f in range(lo):
                     orow[f] = 0
-                    arow[f] = -1
+                if with_arg:
+                    for f in range(lo):
+                        arow[f] = -1
                 continue
             s = indices[beg]
             eid = eids[beg]
             for f in range(lo):
                 orow[f] = _msg(op, mode, inner, U, W, s, eid, f, loff, roff)
-                arow[f] = eid
+            if with_arg:
+                for f in range(lo):
+                    arow[f] = eid
             # Strict comparisons keep the first (smallest edge id) of tied edges.
             for k in range(beg + 1, end):
+                if k + PREFETCH < pend and mode != M_COPY_E:
+                    _prefetch_row(U, indices[k + PREFETCH], lu, uline)
                 s = indices[k]
                 eid = eids[k]
-                if is_max:
+                if mode == M_COPY_U and not with_arg:
+                    urow = U[s]
+                    if is_max:
+                        for f in range(lo):
+                            orow[f] = max(orow[f], urow[f])
+                    else:
+                        for f in range(lo):
+                            orow[f] = min(orow[f], urow[f])
+                elif mode == M_COPY_U:
+                    urow = U[s]
+                    for f in range(lo):
+                        m = urow[f]
+                        c = _take(is_max, m, orow[f])
+                        orow[f] = m if c else orow[f]
+                        arow[f] = eid if c else arow[f]
+                elif with_arg:
                     for f in range(lo):
                         m = _msg(op, mode, inner, U, W, s, eid, f, loff, roff)
-                        if m > orow[f]:
-                            orow[f] = m
-                            arow[f] = eid
+                        c = _take(is_max, m, orow[f])
+                        orow[f] = m if c else orow[f]
+                        arow[f] = eid if c else arow[f]
                 else:
                     for f in range(lo):
                         m = _msg(op, mode, inner, U, W, s, eid, f, loff, roff)
-                        if m < orow[f]:
-                            orow[f] = m
-                            arow[f] = eid
+                        orow[f] = m if _take(is_max, m, orow[f]) else orow[f]
 
 
 @njit(inline="always")
@@ -340,7 +416,7 @@ def _block_inner(fu, fe, fo):
 _EMPTY_OFF = np.zeros(1, dtype=np.int64)
 
 
-def spmm(csr, binop, reduce, lhs, rhs):
+def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     _check_dtype(lhs, rhs)
     parts, indptr, indices, eids = _arrays(csr)
     fu = tuple(lhs.shape[1:]) if lhs is not None else ()
@@ -366,14 +442,14 @@ def spmm(csr, binop, reduce, lhs, rhs):
     out = torch.empty((csr.num_dst, lo), dtype=dtype)
     op = _CODE[binop]
     if reduce in ("sum", "mean"):
-        _launch(_spmm_sum, parts, indptr, indices, eids, U, W, out.numpy(), op, mode, inner, loff, roff,
-                  reduce == "mean")
+        _launch(_spmm_sum, parts, indptr, indices, eids, U, W, out.numpy(), op, mode, inner, loff,
+                roff, reduce == "mean")
         arg = None
     else:
-        arg = torch.empty((csr.num_dst, lo), dtype=torch.int64)
-        _launch(_spmm_maxmin, parts, indptr, indices, eids, U, W, out.numpy(), arg.numpy(), op, mode, inner,
-                     loff, roff, reduce == "max")
-        arg = arg.reshape((csr.num_dst,) + fo)
+        arg = torch.empty((csr.num_dst if need_arg else 1, lo), dtype=torch.int64)
+        _launch(_spmm_maxmin, parts, indptr, indices, eids, U, W, out.numpy(), arg.numpy(), op,
+                mode, inner, loff, roff, reduce == "max", need_arg)
+        arg = arg.reshape((csr.num_dst,) + fo) if need_arg else None
     return out.reshape((csr.num_dst,) + fo), arg
 
 

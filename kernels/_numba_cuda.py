@@ -246,7 +246,7 @@ def _offsets(arr, device):
     return _dev(torch.from_numpy(arr).to(device))
 
 
-def spmm(csr, binop, reduce, lhs, rhs):
+def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     _check_dtype(lhs, rhs)
     indptr, indices, eids, _ = _graph(csr)
     fu = tuple(lhs.shape[1:]) if lhs is not None else ()

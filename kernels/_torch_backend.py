@@ -50,7 +50,7 @@ def _messages(csr, binop, lhs, lt, rhs, rt):
     return m.expand((csr.num_edges,) + fo) if m.shape[1:] != fo else m, fo
 
 
-def spmm(csr, binop, reduce, lhs, rhs):
+def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     msg, fo = _messages(csr, binop, lhs, "u", rhs, "e")
     dtype = msg.dtype
     _, dst = csr.coo()
@@ -64,6 +64,8 @@ def spmm(csr, binop, reduce, lhs, rhs):
         return out, None
     # include_self=False leaves rows without in-edges at their initial 0.
     out.scatter_reduce_(0, idx, msg, "amax" if reduce == "max" else "amin", include_self=False)
+    if not need_arg:
+        return out, None
     # arg: the smallest edge id attaining the extreme value (the first in CSR order).
     E = csr.num_edges
     eid = torch.arange(E, device=csr.device).view((-1,) + (1,) * len(fo)).expand_as(msg)

@@ -78,3 +78,20 @@ def test_numba_rejects_cuda_device_request():
 
     with pytest.raises(ValueError, match="backend 'numba' runs on CPU tensors"):
         _numba_cpu.check_device(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("reduce", ["max", "min"])
+@pytest.mark.parametrize("op", ["copy_u", "copy_e", "u_add_e", "u_mul_e", "u_div_e"])
+def test_maxmin_without_grad_skips_arg_but_not_values(backend, op, reduce):
+    """Inference (no input needs grad) takes the kernel path that does not track the arg edge;
+    it must give the same values as the path that does."""
+    csr = _power_law_graph(200, 3000)
+    gen = torch.Generator().manual_seed(2)
+    u = torch.randn(200, 2, 8, generator=gen) if op != "copy_e" else None
+    shape = (3000, 2, 8) if op in ("copy_e", "u_add_e") else (3000, 2, 1)
+    e = torch.rand(shape, generator=gen) + 0.5 if op != "copy_u" else None
+    plain = kernels.gspmm(csr, op, reduce, u=u, e=e, backend=backend)
+    tracked = kernels.gspmm(csr, op, reduce, u=u.requires_grad_() if u is not None else None,
+                            e=e.requires_grad_() if e is not None else None, backend=backend)
+    assert torch.equal(plain, tracked.detach())
