@@ -74,7 +74,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="put the L2 penalty on the first layer only (Kipf's GCN) or on all layers")
     t.add_argument("--dropout", type=float, help="dropout probability, in [0, 1)")
     t.add_argument("--patience", type=int,
-                   help="stop after N epochs without improvement of validation accuracy or loss; 0: off")
+                   help="stop after N epochs without improvement on validation; 0: off")
+    t.add_argument("--selection", choices=("gat", "loss"),
+                   help="improvement and kept weights: 'gat' (val accuracy or loss, GAT's rule) or "
+                        "'loss' (val loss only, Shchur et al.)")
     t.add_argument("--seed", type=int, default=0, help="random seed (also the split seed of random-split "
                                                        "datasets) (default 0)")
     t.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default cpu)")
@@ -111,7 +114,7 @@ def _train(args) -> int:
         dataset_options=_options(args.dataset_option), epochs=args.epochs,
         hidden=args.hidden, heads=args.heads, num_layers=args.num_layers, dropout=args.dropout,
         lr=args.lr, weight_decay=args.weight_decay, weight_decay_on=args.weight_decay_on,
-        patience=args.patience, seed=args.seed, device=args.device,
+        patience=args.patience, selection=args.selection, seed=args.seed, device=args.device,
         normalize_features=args.normalize_features, checkpoint=args.checkpoint, resume=args.resume,
         checkpoint_every=args.checkpoint_every, memory_budget=args.memory_budget,
         num_chunks=args.num_chunks, progress=args.progress, log_every=args.log_every)
@@ -137,10 +140,7 @@ def _train(args) -> int:
         if isinstance(e, ConfigError):  # e.g. a checkpoint written for other settings
             raise _user("train", str(e)) from e
         raise
-    result.info.update(epochs=fit_kwargs["epochs"], lr=fit_kwargs["lr"],
-                       weight_decay=fit_kwargs["weight_decay"],
-                       weight_decay_on=fit_kwargs["weight_decay_on"], patience=fit_kwargs["patience"],
-                       device=config.device, memory_budget=config.memory_budget,
+    result.info.update(device=config.device, memory_budget=config.memory_budget,
                        num_chunks=config.num_chunks)
     if metrics_path is not None:
         tmp = metrics_path.with_name(f".{metrics_path.name}.{os.getpid()}.tmp")

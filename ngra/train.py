@@ -64,8 +64,12 @@ class HParams:
     - ``weight_decay_on``: ``"first"`` puts the penalty on the first layer's parameters only
       (Kipf & Welling's code), ``"all"`` on every parameter.
     - ``epochs``: maximum number of epochs.
-    - ``patience``: stop after this many epochs in which neither the validation accuracy nor the
-      validation loss improved on its best so far (GAT's rule); ``None``: never stop early.
+    - ``patience``: stop after this many epochs without improvement; ``None``: never stop early.
+    - ``selection``: what counts as improvement, and which weights are kept. ``"gat"`` (GAT's
+      code): an epoch improves if validation accuracy >= its best or validation loss <= its
+      lowest; the weights kept are those of the last epoch where both held. ``"loss"`` (Shchur
+      et al.'s gnn-benchmark): an epoch improves if validation loss < its lowest; the weights
+      kept are those of the lowest validation loss.
     """
 
     hidden: int
@@ -75,6 +79,7 @@ class HParams:
     epochs: int
     patience: int | None
     weight_decay_on: str = "all"
+    selection: str = "gat"
     heads: int = 8
     num_layers: int = 2
 
@@ -139,6 +144,7 @@ class TrainConfig:
     lr: float | None = None
     weight_decay: float | None = None
     weight_decay_on: str | None = None
+    selection: str | None = None
     patience: int | None = None
     seed: int = 0
     device: str = "cpu"
@@ -175,6 +181,9 @@ class TrainConfig:
                     low=0.0, high=1.0)
         if hp.weight_decay_on not in ("first", "all"):
             raise ConfigError(f"weight_decay_on must be 'first' or 'all' (got {hp.weight_decay_on!r})")
+        if hp.selection not in _SELECTIONS:
+            raise ConfigError(f"selection must be one of {', '.join(map(repr, _SELECTIONS))} (got "
+                              f"{hp.selection!r})")
         return hp
 
     def validate(self) -> HParams:
@@ -384,17 +393,23 @@ def _model_device(model) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-class _Stopper:
-    """Model selection and early stopping on validation, after GAT's reference code.
+_SELECTIONS = ("gat", "loss")
 
-    An epoch *improves* if its validation accuracy is >= the best so far or its validation
-    loss is <= the lowest so far; ``patience`` epochs in a row without improving stop training.
-    The weights are *selected* (snapshotted) at epochs where both hold at once. Without
+
+class _Stopper:
+    """Model selection and early stopping on validation.
+
+    ``selection="gat"`` (GAT's reference code): an epoch *improves* if its validation accuracy
+    is >= the best so far or its validation loss is <= the lowest so far; the weights are
+    *selected* (snapshotted) at epochs where both hold at once. ``selection="loss"`` (Shchur et
+    al.'s gnn-benchmark): an epoch improves, and is selected, if its validation loss is below
+    the lowest so far. ``patience`` epochs in a row without improving stop training. Without
     validation vertices the last epoch is selected and patience must be off.
     """
 
-    def __init__(self, patience: int | None):
+    def __init__(self, patience: int | None, selection: str = "gat"):
         self.patience = patience
+        self.selection = selection
         self.best_acc = -math.inf
         self.best_loss = math.inf
         self.bad_epochs = 0
@@ -406,7 +421,10 @@ class _Stopper:
         if val_acc is None:
             self.best_epoch, self.best_state = epoch, _copy_state(model)
             return False
-        acc_ok, loss_ok = val_acc >= self.best_acc, val_loss <= self.best_loss
+        if self.selection == "loss":
+            acc_ok = loss_ok = val_loss < self.best_loss
+        else:
+            acc_ok, loss_ok = val_acc >= self.best_acc, val_loss <= self.best_loss
         if acc_ok and loss_ok:
             self.best_epoch, self.best_state = epoch, _copy_state(model)
         if acc_ok or loss_ok:
@@ -445,7 +463,7 @@ def _param_groups(model, weight_decay: float, weight_decay_on: str):
 
 
 def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: float = 0.0,
-        weight_decay_on: str = "all", patience: int | None = None,
+        weight_decay_on: str = "all", patience: int | None = None, selection: str = "gat",
         forward_kwargs: dict | None = None, checkpoint: str | os.PathLike | None = None,
         resume: bool = False, checkpoint_every: int = 1, progress: bool = True, log_every: int = 0,
         on_epoch: Callable[[EpochStats], None] | None = None, run_info: dict | None = None,
@@ -458,10 +476,11 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
     [N, C]. Per epoch: one training step on the full graph (loss = mean cross-entropy over the
     training vertices), then one evaluation pass (see :func:`evaluate`).
 
-    Model selection and early stopping follow GAT's code (see ``_Stopper``): the weights of the
-    last epoch at which validation accuracy and loss were both at their best so far are
-    restored at the end; ``patience`` (None: off) stops after that many epochs without either
-    improving. ``weight_decay_on="first"`` applies ``weight_decay`` to the first layer only.
+    Model selection and early stopping (see :class:`HParams` ``selection``): with ``"gat"``
+    (GAT's code), the weights of the last epoch at which validation accuracy and loss were both
+    at their best so far are restored at the end, and ``patience`` (None: off) stops after that
+    many epochs without either improving; with ``"loss"``, both go by validation loss alone.
+    ``weight_decay_on="first"`` applies ``weight_decay`` to the first layer only.
 
     Checkpoints: with ``checkpoint=DIR``, ``DIR/last.pt`` is written every ``checkpoint_every``
     epochs and at the end, atomically (a temporary file, fsync, then ``os.replace``). It holds
@@ -469,7 +488,8 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
     early-stopping state (with the selected weights) and the history. ``resume=True`` continues
     from it; on the CPU a run killed and resumed ends with exactly the weights of an
     uninterrupted run with the same seed. A checkpoint is refused if it was written for other
-    settings (``lr``, ``weight_decay``, ``patience``, parameter shapes and ``run_info``);
+    settings (``lr``, ``weight_decay``, ``patience``, ``selection``, parameter shapes and
+    ``run_info``);
     ``epochs`` may differ, to train a finished run further. Without ``resume`` a folder that
     already holds a checkpoint is refused rather than overwritten.
 
@@ -483,6 +503,8 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
     _check_real("weight_decay", weight_decay, "give 0 for none", low=0.0)
     if patience is not None:
         _check_int("patience", patience, 1, "or None for no early stopping")
+    if selection not in _SELECTIONS:
+        raise ConfigError(f"selection must be one of {', '.join(map(repr, _SELECTIONS))} (got {selection!r})")
     _check_int("checkpoint_every", checkpoint_every, 1, "checkpoint every N >= 1 epochs")
     if resume and checkpoint is None:
         raise ConfigError("resume=True needs checkpoint=DIR, the folder of the interrupted run")
@@ -490,9 +512,9 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
     d = _prepare_data(data, device)
     kwargs = dict(forward_kwargs or {})
     optimizer = torch.optim.Adam(_param_groups(model, weight_decay, weight_decay_on), lr=lr)
-    stopper = _Stopper(patience)
+    stopper = _Stopper(patience, selection)
     fingerprint = {"lr": float(lr), "weight_decay": float(weight_decay), "weight_decay_on": weight_decay_on,
-                   "patience": patience, "params": {k: list(v.shape) for k, v in model.state_dict().items()},
+                   "patience": patience, "selection": selection, "params": {k: list(v.shape) for k, v in model.state_dict().items()},
                    **(run_info or {})}
 
     # Compile every layer's program up front (train and eval mode), so that compilation is
@@ -574,7 +596,9 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
         epoch_time_s=sum(step_times) / len(step_times) if step_times else None,
         peak_memory_bytes=peak_memory_bytes(),
         peak_device_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if cuda else None,
-        history=history, resumed_from=resumed_from, model=model, info=dict(run_info or {}))
+        history=history, resumed_from=resumed_from, model=model,
+        info={**(run_info or {}), "epochs": epochs, "lr": lr, "weight_decay": weight_decay,
+              "weight_decay_on": weight_decay_on, "patience": patience, "selection": selection})
 
 
 def compile_model(model: torch.nn.Module, data, *, forward_kwargs: dict | None = None) -> None:
@@ -804,7 +828,8 @@ def setup(config: TrainConfig):
     if config.dataset_options:
         run_info["dataset_options"] = {k: config.dataset_options[k] for k in sorted(config.dataset_options)}
     fit_kwargs = dict(epochs=hp.epochs, lr=hp.lr, weight_decay=hp.weight_decay,
-                      weight_decay_on=hp.weight_decay_on, patience=hp.patience, forward_kwargs=kwargs,
+                      weight_decay_on=hp.weight_decay_on, patience=hp.patience, selection=hp.selection,
+                      forward_kwargs=kwargs,
                       checkpoint=config.checkpoint, resume=config.resume,
                       checkpoint_every=config.checkpoint_every, progress=config.progress,
                       log_every=config.log_every, run_info=run_info,
@@ -819,9 +844,6 @@ def run(config: TrainConfig, *, on_epoch: Callable[[EpochStats], None] | None = 
     model, data, fit_kwargs, engine_ctx = setup(config)
     with engine_ctx:
         result = fit(model, data, on_epoch=on_epoch, **fit_kwargs)
-    result.info.update(epochs=fit_kwargs["epochs"], lr=fit_kwargs["lr"],
-                       weight_decay=fit_kwargs["weight_decay"],
-                       weight_decay_on=fit_kwargs["weight_decay_on"], patience=fit_kwargs["patience"],
-                       device=config.device, memory_budget=config.memory_budget,
+    result.info.update(device=config.device, memory_budget=config.memory_budget,
                        num_chunks=config.num_chunks)
     return result

@@ -163,6 +163,19 @@ def test_stopper_follows_gat_rule():
     assert (s.best_acc, s.best_loss, s.bad_epochs) == (0.6, 0.8, 2)
 
 
+def test_stopper_on_validation_loss_only():
+    s = _Stopper(patience=2, selection="loss")
+    stops = _feed(s, [(0.5, 1.0), (0.9, 0.9), (0.95, 0.9), (0.99, 0.95), (0.2, 0.85), (0.9, 0.86), (0.9, 0.85)])
+    # Equal or higher loss is no improvement, whatever the accuracy: epochs 3-4 then 6-7.
+    assert stops == [False, False, False, True, False, False, True]
+    assert s.best_epoch == 5 and float(s.best_state["weight"]) == 5.0
+
+
+def test_selection_is_checked():
+    with pytest.raises(ConfigError, match=r"selection must be one of 'gat', 'loss' \(got 'acc'\)"):
+        run(small_config(selection="acc"))
+
+
 def test_stopper_without_patience_never_stops():
     s = _Stopper(patience=None)
     assert not any(_feed(s, [(0.5, 1.0)] + [(0.1, 9.0)] * 50))
