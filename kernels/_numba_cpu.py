@@ -55,6 +55,7 @@ S_COPY = 0
 S_SAME = 1
 S_DOT = 2
 S_GENERIC = 3
+S_DOT_ROW = 4  # one dot product over the whole (contiguous) row
 
 _ROW_COST = 4
 PREFETCH = 12  # edges ahead; about the misses two cores can keep in flight without waste
@@ -265,18 +266,30 @@ def _row(target, s, v, eid):
     return eid
 
 
-@njit(parallel=True, cache=True, nogil=True)
+# reassoc lets LLVM vectorize the dot-product reduction (a fixed, compile-time order: results
+# stay bitwise reproducible run to run, though not identical to a sequential sum).
+@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _sddmm(parts, indptr, indices, eids, L, lt, R, rt, out, op, mode, loff, roff, red):
     lo = out.shape[1]
+    ll = L.shape[1]
+    line = max(1, 64 // L.itemsize)
     for p in prange(parts.size - 1):
+        pend = indptr[parts[p + 1]]
         for v in range(parts[p], parts[p + 1]):
             for k in range(indptr[v], indptr[v + 1]):
+                if lt == 0 and k + PREFETCH < pend:
+                    _prefetch_row(L, indices[k + PREFETCH], ll, line)
                 s = indices[k]
                 eid = eids[k]
                 lrow = L[_row(lt, s, v, eid)]
                 rrow = R[_row(rt, s, v, eid)]
                 orow = out[eid]
-                if mode == S_DOT:
+                if mode == S_DOT_ROW:
+                    acc = lrow[0] * rrow[0]
+                    for d in range(1, red):
+                        acc += lrow[d] * rrow[d]
+                    orow[0] = acc
+                elif mode == S_DOT:
                     for j in range(lo):
                         a = loff[j]
                         b = roff[j]
@@ -471,8 +484,8 @@ def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
     else:
         R = _flat(rhs, rows[rhs_target])
         if binop == "dot":
-            mode = S_DOT
             loff, roff, red = bcast_offsets(binop, fl, fr, fo)
+            mode = S_DOT_ROW if math.prod(fo) == 1 and red > 0 else S_DOT
         elif binop == "copy_lhs":
             mode = S_COPY
         elif fl == fr == fo:
