@@ -789,16 +789,18 @@ def _engine_context(config: TrainConfig):
     return Engine(memory_budget=parse_bytes(config.memory_budget))
 
 
-def setup(config: TrainConfig):
-    """Everything before the first epoch: validate, check the checkpoint folder, load the data,
-    build the model. Returns ``(model, data, fit_kwargs, engine_context)``. Every user error
-    raises :class:`ConfigError`."""
+def setup(config: TrainConfig, *, data=None):
+    """Everything before the first epoch: validate, check the checkpoint folder, load the data
+    (unless ``data``, a dataset record, is given: then ``config.dataset`` only names it), build
+    the model. Returns ``(model, data, fit_kwargs, engine_context)``. Every user error raises
+    :class:`ConfigError`."""
     hp = config.validate()
     if config.checkpoint is not None:
         check_checkpoint_dir(config.checkpoint, resume=config.resume)
     engine_ctx = _engine_context(config)
-    data = load_dataset(config.dataset, config.data_dir, seed=config.seed,
-                        normalize_features=config.normalize_features, options=config.dataset_options)
+    if data is None:
+        data = load_dataset(config.dataset, config.data_dir, seed=config.seed,
+                            normalize_features=config.normalize_features, options=config.dataset_options)
     if data.y is None or data.train_mask is None:
         raise ConfigError(f"dataset {config.dataset!r} has no labels or no training split; "
                           "choose a labelled dataset (see `ngra info --dataset NAME`)")
@@ -837,11 +839,12 @@ def setup(config: TrainConfig):
     return model, data, fit_kwargs, engine_ctx
 
 
-def run(config: TrainConfig, *, on_epoch: Callable[[EpochStats], None] | None = None) -> TrainResult:
-    """Load ``config.dataset``, build ``config.model`` with the model's defaults
-    (:data:`MODEL_DEFAULTS`) overridden by the config, seed, and :func:`fit` it (inside
-    ``ngra.Engine`` when ``memory_budget`` / ``num_chunks`` are set)."""
-    model, data, fit_kwargs, engine_ctx = setup(config)
+def run(config: TrainConfig, *, data=None,
+        on_epoch: Callable[[EpochStats], None] | None = None) -> TrainResult:
+    """Load ``config.dataset`` (or take ``data``, see :func:`setup`), build ``config.model`` with
+    the model's defaults (:data:`MODEL_DEFAULTS`) overridden by the config, seed, and
+    :func:`fit` it (inside ``ngra.Engine`` when ``memory_budget`` / ``num_chunks`` are set)."""
+    model, data, fit_kwargs, engine_ctx = setup(config, data=data)
     with engine_ctx:
         result = fit(model, data, on_epoch=on_epoch, **fit_kwargs)
     result.info.update(device=config.device, memory_budget=config.memory_budget,
