@@ -135,10 +135,10 @@ def test_weight_decay_on_first_layer_only(monkeypatch):
 
     monkeypatch.setattr(torch.optim, "Adam", spy)
     res = run(small_config(epochs=1))
-    first = {id(p) for p in res.model.layers[0].parameters()}
+    first = res.model.layers[0]
     assert [g["weight_decay"] for g in groups] == [5e-4, 0.0]
-    assert {id(p) for p in groups[0]["params"]} == first
-    assert not first & {id(p) for p in groups[1]["params"]}
+    assert [id(p) for p in groups[0]["params"]] == [id(first.lin.weight)]
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in res.model.parameters()} - {id(first.lin.weight)}
 
 
 # -- early stopping -----------------------------------------------------------------------------
