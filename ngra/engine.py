@@ -54,6 +54,9 @@ from .passes import is_pure
 __all__ = ["Engine", "current_engine", "StreamPlan"]
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("ngra_engine", default=None)
+# The most vertex intervals a memory budget may ask for: P**2 chunks each cost some Python work
+# per pass, so beyond this the run would be dominated by overhead rather than by the kernels.
+MAX_INTERVALS = 256
 _REDUCTIONS = ("gather", "gspmm")
 _EDGE_OPS = ("scatter", "gsddmm", "edge_softmax", *_REDUCTIONS)
 
@@ -211,22 +214,32 @@ class Engine:
 
     # -- partition ------------------------------------------------------------------------------
     def estimate(self, program, g, num_intervals: int, column_edges: int | None = None) -> int:
-        """Estimated peak resident bytes of streaming ``program`` on ``g`` with P intervals.
+        """Estimated peak bytes one streamed call of ``program`` on ``g`` adds, with P intervals.
 
-        ``vertex_bytes * N + edge_bytes * C_col + 2 * index_bytes * C_chunk``, where
-        ``vertex_bytes`` sums the row widths of every vertex-domain value of the IR (they stay
-        resident), ``edge_bytes`` the row widths of every edge-domain value (backward recomputes
-        one destination column with autograd, so all of a column's edge values are alive at
-        once), ``C_col`` is the most in-edges of one destination interval and ``C_chunk`` the
-        most edges of one chunk (prefetch holds two chunks' index arrays: src, dst, edge ids,
-        CSR indices and edge ids, 8 bytes each).
+        ``vertex_bytes * N + edge_bytes * C_col + 2 * 40 * C_chunk``:
+
+        - ``vertex_bytes``: row widths of the vertex values that stay resident while the columns
+          stream: the values the edge part reads, plus each accumulator twice (the columns'
+          results and their concatenation);
+        - ``edge_bytes``: row widths of every edge-domain value of the IR: backward recomputes one
+          destination column under autograd, so all of a column's edge values are alive at once;
+          ``C_col`` is the most in-edges of one destination interval;
+        - ``2 * 40 * C_chunk``: index arrays of the chunk in use and the one being prefetched
+          (``C_chunk`` = E / P**2 edges, 40 bytes per edge at most).
+
+        Not counted: the graph itself, the model and optimizer, and the prepared chunk index cache
+        that an in-memory grid keeps after the first call (persistent state, like the graph's own
+        CSR), nor activations of other layers kept for backward.
         """
-        vbytes, ebytes = _row_bytes(program.ir)
+        plan = StreamPlan.of(program.ir)
+        vbytes = sum(_row_bytes(n) for n in plan.pre if id(n) in plan.needs) + \
+            2 * sum(_row_bytes(r) for r in plan.reductions)
+        ebytes = sum(_row_bytes(n) for n in plan.edge if n.op not in _REDUCTIONS)
         n, e = g.num_nodes, g.num_edges
         if column_edges is None:
             column_edges = _max_column_edges(g, num_intervals)
         chunk_edges = math.ceil(e / num_intervals ** 2) if e else 0
-        return int(vbytes * n + ebytes * column_edges + 2 * 5 * 8 * chunk_edges)
+        return int(vbytes * n + ebytes * column_edges + 2 * 40 * chunk_edges)
 
     def _num_intervals(self, program, g) -> int:
         if self.store is not None:
@@ -240,10 +253,15 @@ class Engine:
                 f"memory_budget {partition.format_bytes(self.budget)} is below the vertex-level "
                 f"memory of this layer ({partition.format_bytes(floor)} for {g.num_nodes} vertices), "
                 "which the engine keeps resident; raise the budget")
+        cap = max(1, min(g.num_nodes, MAX_INTERVALS))
         while self.estimate(program, g, p) > self.budget:
-            if p >= max(1, g.num_nodes):
-                break
-            p = min(2 * p, max(1, g.num_nodes))
+            if p >= cap:
+                raise ValueError(
+                    f"memory_budget {partition.format_bytes(self.budget)} cannot be met: with "
+                    f"{p} intervals ({p * p} chunks; at most {MAX_INTERVALS} intervals are used, "
+                    f"since every chunk costs Python overhead) this layer still needs about "
+                    f"{partition.format_bytes(self.estimate(program, g, p))}; raise the budget")
+            p = min(2 * p, cap)
         return p
 
     def grid_for(self, g, num_intervals: int):
@@ -312,17 +330,11 @@ class Engine:
                 yield prepared
 
 
-def _row_bytes(ir: IR) -> tuple[int, int]:
-    vbytes = ebytes = 0
-    for n in ir.nodes:
-        if n.shape is None or n.dtype is None or n.domain not in ("vertex", "edge"):
-            continue
-        width = math.prod(d for d in n.shape[1:]) * torch.empty((), dtype=n.dtype).element_size()
-        if n.domain == "vertex":
-            vbytes += width
-        else:
-            ebytes += width
-    return vbytes, ebytes
+def _row_bytes(n: Node) -> int:
+    """Bytes of one row of a vertex or edge value (0 for anything else)."""
+    if n.shape is None or n.dtype is None or n.domain not in ("vertex", "edge"):
+        return 0
+    return math.prod(n.shape[1:]) * torch.empty((), dtype=n.dtype).element_size()
 
 
 def _max_column_edges(g, p: int) -> int:

@@ -1,0 +1,323 @@
+"""In-memory vs streamed training step of a 2-layer GAT (8 heads) on an R-MAT graph.
+
+    python benchmarks/streaming.py              # 1M vertices / 16M edges (the issue's size)
+    python benchmarks/streaming.py --quick      # 100K / 1.6M, a minute or two
+
+Every configuration runs in its own fresh process, which loads the same saved graph, features and
+weights, runs a warm-up step, then ``--repeats`` timed steps (forward, loss, backward). Peak memory
+is the OS's resident-set high-water mark (``VmHWM``), reset (``/proc/self/clear_refs``) right
+before the timed steps, minus the resident set at that moment: the memory the step itself adds
+on top of the loaded graph, features and model. Budgets for the streamed runs are 1/2, 1/4 and
+1/8 of the in-memory step's peak measured this way; ``overhead`` is what the streamed step used
+beyond its budget. PyG (same environment) and DGL (``.venv-dgl``) run the same model and weights
+where they fit, as a reference. Output: a table on stdout, ``streaming.csv`` and
+``streaming.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/kernels.py would shadow the kernels package: never import from this folder.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+HEADS, HIDDEN, CLASSES, FEATURES = 8, 8, 16, 64
+
+
+# -- worker side ---------------------------------------------------------------------------------
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _weights(data: Path):
+    w = np.load(data / "weights.npz")
+    return {k: w[k] for k in w.files}
+
+
+def _ngra_model(weights):
+    import torch
+
+    import ngra
+
+    torch.manual_seed(0)
+    model = ngra.nn.build_model("gat", FEATURES, HIDDEN, CLASSES, heads=HEADS, dropout=0.0)
+    state = model.state_dict()
+    for k in state:
+        state[k] = torch.from_numpy(weights[k])
+    model.load_state_dict(state)
+    return model
+
+
+def worker(args):
+    import torch
+
+    data = Path(args.data)
+    src, dst = np.load(data / "src.npy"), np.load(data / "dst.npy")
+    x = torch.from_numpy(np.load(data / "x.npy"))
+    y = torch.from_numpy(np.load(data / "y.npy"))
+    n = x.shape[0]
+    weights = _weights(data)
+    if args.framework == "ngra":
+        import ngra
+
+        g = ngra.Graph(src, dst, n)
+        model = _ngra_model(weights)
+        engine = ngra.Engine(memory_budget=args.budget) if args.budget else None
+        run = lambda: model(g, x)  # noqa: E731
+    elif args.framework == "pyg":
+        from torch_geometric.nn import GATConv
+
+        ei = torch.from_numpy(np.stack([src, dst]))
+        model = _pyg_model(GATConv, weights)
+        run = lambda: model(x, ei)  # noqa: E731
+        engine = None
+    else:
+        import dgl
+
+        g = dgl.graph((torch.from_numpy(src), torch.from_numpy(dst)), num_nodes=n)
+        g = dgl.add_self_loop(dgl.remove_self_loop(g))
+        model = _dgl_model(weights)
+        run = lambda: model(g, x)  # noqa: E731
+        engine = None
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        if engine is None:
+            out = run()
+        else:
+            with engine:
+                out = run()
+        loss = torch.nn.functional.cross_entropy(out, y)
+        loss.backward()
+        return float(loss)
+
+    step()  # warm-up: JIT, partition, caches
+    base = _status("VmRSS")
+    _reset_peak()
+    times, loss = [], None
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+    peak = _status("VmHWM") - base
+    grad_norm = float(sum(p.grad.double().pow(2).sum() for p in model.parameters()) ** 0.5)
+    out = {"step_s": min(times), "peak_bytes": peak, "loss": loss, "grad_norm": grad_norm}
+    if engine is not None:
+        out["num_intervals"] = engine.last_run.get("num_intervals")
+    print(json.dumps(out))
+
+
+def _pyg_model(GATConv, weights):
+    import torch
+
+    class PyGGAT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = GATConv(FEATURES, HIDDEN, heads=HEADS)
+            self.c2 = GATConv(HIDDEN * HEADS, CLASSES, heads=1)
+
+        def forward(self, x, ei):
+            return self.c2(torch.nn.functional.elu(self.c1(x, ei)), ei)
+
+    m = PyGGAT()
+    with torch.no_grad():
+        for conv, key in ((m.c1, "layers.0"), (m.c2, "layers.1")):
+            conv.lin.weight.copy_(torch.from_numpy(weights[f"{key}.lin.weight"]))
+            conv.att_src.copy_(torch.from_numpy(weights[f"{key}.att_src"]).reshape(conv.att_src.shape))
+            conv.att_dst.copy_(torch.from_numpy(weights[f"{key}.att_dst"]).reshape(conv.att_dst.shape))
+            conv.bias.copy_(torch.from_numpy(weights[f"{key}.bias"]))
+    return m
+
+
+def _dgl_model(weights):
+    import torch
+    from dgl.nn import GATConv
+
+    class DGLGAT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = GATConv(FEATURES, HIDDEN, num_heads=HEADS)
+            self.c2 = GATConv(HIDDEN * HEADS, CLASSES, num_heads=1)
+
+        def forward(self, g, x):
+            h = torch.nn.functional.elu(self.c1(g, x).flatten(1))
+            return self.c2(g, h).mean(1)
+
+    m = DGLGAT()
+    with torch.no_grad():
+        for conv, key in ((m.c1, "layers.0"), (m.c2, "layers.1")):
+            conv.fc.weight.copy_(torch.from_numpy(weights[f"{key}.lin.weight"]))
+            conv.attn_l.copy_(torch.from_numpy(weights[f"{key}.att_src"]).reshape(conv.attn_l.shape))
+            conv.attn_r.copy_(torch.from_numpy(weights[f"{key}.att_dst"]).reshape(conv.attn_r.shape))
+            conv.bias.copy_(torch.from_numpy(weights[f"{key}.bias"]).reshape(conv.bias.shape))
+    return m
+
+
+# -- driver side ---------------------------------------------------------------------------------
+def prepare(data: Path, nodes: int, edges: int, seed: int):
+    import torch
+
+    import ngra
+
+    g = ngra.datasets.rmat(num_nodes=nodes, num_edges=edges, seed=seed)
+    g = g.remove_self_loops()
+    rng = np.random.default_rng(seed)
+    np.save(data / "src.npy", g.src.numpy())
+    np.save(data / "dst.npy", g.dst.numpy())
+    np.save(data / "x.npy", rng.standard_normal((nodes, FEATURES), dtype=np.float32))
+    np.save(data / "y.npy", rng.integers(0, CLASSES, nodes).astype(np.int64))
+    torch.manual_seed(seed)
+    model = ngra.nn.build_model("gat", FEATURES, HIDDEN, CLASSES, heads=HEADS, dropout=0.0)
+    np.savez(data / "weights.npz", **{k: v.numpy() for k, v in model.state_dict().items()})
+    return g.num_edges
+
+
+def launch(python: str, data: Path, framework: str, budget: int | None, repeats: int,
+           timeout: float):
+    cmd = [python, str(Path(__file__).resolve()), "--worker", "--data", str(data),
+           "--framework", framework, "--repeats", str(repeats)]
+    if budget:
+        cmd += ["--budget", str(budget)]
+    env = dict(os.environ, DGLBACKEND="pytorch", PYTHONPATH=str(ROOT))
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if res.returncode != 0:
+        tail = (res.stderr.strip().splitlines() or ["?"])[-1]
+        return {"error": f"exit {res.returncode}: {tail[:200]}"}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=1_000_000)
+    ap.add_argument("--edges", type=int, default=16_000_000)
+    ap.add_argument("--quick", action="store_true", help="100K vertices / 1.6M edges")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fractions", default="2,4,8", help="budgets as 1/k of the in-memory peak")
+    ap.add_argument("--no-pyg", action="store_true")
+    ap.add_argument("--no-dgl", action="store_true")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out", default="results/streaming")
+    ap.add_argument("--seed", type=int, default=0)
+    # worker mode
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
+    ap.add_argument("--framework", default="ngra", help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.nodes, args.edges = 100_000, 1_600_000
+    from tqdm import tqdm
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ngra-streaming-") as tmp:
+        data = Path(tmp)
+        t0 = time.perf_counter()
+        num_edges = prepare(data, args.nodes, args.edges, args.seed)
+        print(f"graph: R-MAT {args.nodes} vertices, {num_edges} edges (self loops removed; GAT "
+              f"adds one per vertex), {FEATURES} features; prepared in {time.perf_counter() - t0:.1f} s")
+        fracs = [int(k) for k in args.fractions.split(",") if k]
+        plan = [("ngra", None, "in-memory")] + [("ngra", k, f"streamed 1/{k}") for k in fracs]
+        if not args.no_pyg:
+            plan.append(("pyg", None, "PyG (in memory)"))
+        dgl_python = ROOT / ".venv-dgl" / "bin" / "python"
+        if not args.no_dgl:
+            plan.append(("dgl", None, "DGL (in memory)"))
+        base = None
+        for framework, frac, label in tqdm(plan, desc="configurations"):
+            python = sys.executable
+            if framework == "dgl":
+                if not dgl_python.exists():
+                    rows.append({"config": label, "error": f"no DGL environment at {dgl_python}"})
+                    continue
+                python = str(dgl_python)
+            budget = None
+            if frac is not None:
+                if base is None or "error" in base:
+                    rows.append({"config": label, "error": "no in-memory baseline"})
+                    continue
+                budget = int(base["peak_bytes"] / frac)
+            res = launch(python, data, framework, budget, args.repeats, args.timeout)
+            res.update(config=label, framework=framework, budget_bytes=budget)
+            if framework == "ngra" and frac is None:
+                base = res
+            rows.append(res)
+    _report(rows, base, out, args)
+
+
+def _report(rows, base, out: Path, args):
+    mib = 2 ** 20
+    head = (f"{'configuration':<18} {'P':>4} {'step s':>8} {'x in-mem':>9} {'peak MiB':>9} "
+            f"{'budget MiB':>11} {'over MiB':>9} {'loss':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['config']:<18} {r['error']}")
+            continue
+        ratio = r["step_s"] / base["step_s"] if base and "step_s" in base else float("nan")
+        over = (r["peak_bytes"] - r["budget_bytes"]) / mib if r.get("budget_bytes") else float("nan")
+        r["time_ratio"] = ratio
+        r["overhead_bytes"] = None if r.get("budget_bytes") is None else r["peak_bytes"] - r["budget_bytes"]
+        lines.append(f"{r['config']:<18} {str(r.get('num_intervals') or '-'):>4} {r['step_s']:>8.2f} "
+                     f"{ratio:>9.2f} {r['peak_bytes'] / mib:>9.0f} "
+                     f"{(r['budget_bytes'] or 0) / mib:>11.0f} {over:>9.0f} {r['loss']:>9.5f}")
+    table = "\n".join(lines)
+    print(table)
+    (out / "streaming.txt").write_text(table + "\n")
+    keys = ["config", "framework", "num_intervals", "step_s", "time_ratio", "peak_bytes",
+            "budget_bytes", "overhead_bytes", "loss", "grad_norm", "error"]
+    with open(out / "streaming.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        names = [r["config"] for r in ok]
+        a1.bar(names, [r["step_s"] for r in ok], color="tab:blue")
+        a1.set_ylabel("training step (s, best of %d)" % args.repeats)
+        a2.bar(names, [r["peak_bytes"] / mib for r in ok], color="tab:orange", label="peak")
+        budgets = [(r.get("budget_bytes") or 0) / mib for r in ok]
+        a2.scatter(names, budgets, color="black", marker="_", s=400, label="budget", zorder=3)
+        a2.set_ylabel("peak resident memory of the step (MiB)")
+        a2.legend()
+        for ax in (a1, a2):
+            ax.tick_params(axis="x", rotation=30)
+        fig.suptitle(f"2-layer GAT ({HEADS} heads), R-MAT {args.nodes} vertices / {args.edges} edges")
+        fig.tight_layout()
+        fig.savefig(out / "streaming.png", dpi=120)
+    print(f"wrote {out / 'streaming.csv'}, {out / 'streaming.png'}")
+
+
+if __name__ == "__main__":
+    main()
