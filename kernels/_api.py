@@ -133,9 +133,10 @@ def _spmm_sum_grad_e(csr, mod, binop, g, u, e):
         ge = mod.sddmm(csr, "copy_lhs", g, "v", None, None)
         return -ge if binop == "sub" else ge
     fu, fe, fo = _feat(u), _feat(e), tuple(g.shape[1:])
-    # e broadcast along the last feature dim (e.g. one weight per head, [E, H, 1] against
-    # [N, H, F]): the gradient is a dot product over that dim, with no [E, H, F] temporary.
-    if fo and fe and fe[-1] == 1 and fo[-1] > 1 and fu and fu[-1] == fo[-1]:
+    # e constant along the last feature dim (one weight per edge [E] / [E, 1], or per head
+    # [E, H, 1] against u [N, H, F]): the gradient is a dot product over that dim, with no
+    # [E, ..., F] temporary; reduce_to then sums any remaining broadcast dims.
+    if fo and fo[-1] > 1 and fu == fo and (not fe or fe[-1] == 1):
         return mod.sddmm(csr, "dot", u, "u", g, "v")
     return mod.sddmm(csr, "mul", u, "u", g, "v")
 

@@ -9,6 +9,7 @@ Kernels are compiled once per (dtype, index dtype) and cached on disk (``cache=T
 reducer and broadcast layout are runtime arguments rather than compile-time specializations, which
 keeps the number of compiled signatures (and so the first-call compile time) small. Branches on
 them sit outside the per-feature loops, so the hot loops stay simple enough to vectorize.
+Source rows are gathered at random, so the gather loops prefetch the row a few edges ahead.
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ S_DOT = 2
 S_GENERIC = 3
 S_DOT_ROW = 4  # one dot product over the whole (contiguous) row
 
-_ROW_COST = 4
-PREFETCH = 12  # edges ahead; about the misses two cores can keep in flight without waste
+_ROW_COST = 4  # a row costs about as much as this many edges (loop setup, output write)
+PREFETCH = 12  # software prefetch distance in edges: enough misses in flight to hide latency
 # LLVM >= 15 names the intrinsic by opaque pointer type.
-_PREFETCH_NAME = "llvm.prefetch.p0" if _llvm.llvm_version_info[0] >= 15 else "llvm.prefetch.p0i8"  # a row costs about as much as this many edges (loop setup, output write)
+_PREFETCH_NAME = "llvm.prefetch.p0" if _llvm.llvm_version_info[0] >= 15 else "llvm.prefetch.p0i8"
 
 
 def check_device(device):
@@ -494,8 +495,10 @@ def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
             mode = S_GENERIC
             loff, roff, _ = bcast_offsets(binop, fl, fr, fo)
     out = torch.empty((csr.num_edges, math.prod(fo)), dtype=lhs.dtype)
+    if binop == "dot" and red == 0:  # dot over an empty dim
+        return out.zero_().reshape((csr.num_edges,) + fo)
     _launch(_sddmm, parts, indptr, indices, eids, L, _TARGET[lhs_target], R, _TARGET[rhs_target],
-           out.numpy(), _CODE[binop], mode, loff, roff, red)
+            out.numpy(), _CODE[binop], mode, loff, roff, red)
     return out.reshape((csr.num_edges,) + fo)
 
 
@@ -503,7 +506,8 @@ def edge_softmax(csr, scores):
     _check_dtype(scores)
     parts, indptr, _, eids = _arrays(csr)
     y = torch.empty_like(scores, memory_format=torch.contiguous_format)
-    _launch(_edge_softmax, parts, indptr, eids, _flat(scores, csr.num_edges), _flat(y, csr.num_edges))
+    _launch(_edge_softmax, parts, indptr, eids, _flat(scores, csr.num_edges),
+            _flat(y, csr.num_edges))
     return y
 
 
@@ -512,6 +516,6 @@ def edge_softmax_backward(csr, y, grad_y):
     parts, indptr, _, eids = _arrays(csr)
     gs = torch.empty_like(y, memory_format=torch.contiguous_format)
     _launch(_edge_softmax_backward, parts, indptr, eids, _flat(y, csr.num_edges),
-                           _flat(grad_y, csr.num_edges), _flat(gs, csr.num_edges))
+            _flat(grad_y, csr.num_edges), _flat(gs, csr.num_edges))
     return gs
 
