@@ -18,6 +18,15 @@ P. ``verify="full"`` (default) also checks every file's sha256; ``verify="lazy"`
 sha256 of big files to their first use (a chunk's own checksum when it is first loaded, a vertex
 array's or the ordering's when first requested). Any failure raises :class:`StoreError`.
 
+Memory: by default (``open(..., mmap=True)``) the edge files are memory-mapped and chunks are
+views into them. Pages of a mapping that were touched count in the process's resident set
+(``RssFile``) for as long as the file stays mapped, so streaming a store bigger than RAM through
+the maps makes the measured peak RSS grow to the store's size even though the kernel could drop
+those pages. ``open(..., mmap=False)`` maps nothing big: each chunk is read with ``pread`` into
+fresh arrays, which are freed with the chunk, so the resident set holds only the chunks in use
+(the file data sits in the page cache, which is not part of any process's RSS).
+:meth:`ChunkStore.read_rows` reads a row block of a vertex array the same way, in either mode.
+
 Atomicity: a store is written into a hidden sibling directory ``.<name>.tmp-<pid>-<token>``, each
 file is fsynced, ``manifest.json`` is written last, and only then is the directory renamed to its
 final name. A crash leaves either no store or the previous store at the final path (plus a
@@ -75,10 +84,11 @@ class ChunkStore(ChunkSource):
     """
 
     # ------------------------------------------------------------------ reading
-    def __init__(self, path: Path, manifest: dict, verify: str):
+    def __init__(self, path: Path, manifest: dict, verify: str, mmap: bool = True):
         self.path = path
         self.manifest = manifest
         self.verify_mode = verify
+        self.mmap = mmap
         self.num_nodes = manifest["num_nodes"]
         self.num_edges = manifest["num_edges"]
         self.num_intervals = manifest["num_intervals"]
@@ -88,9 +98,10 @@ class ChunkStore(ChunkSource):
         self._chunk_sha = self._load("chunk_sha256.npy")
         p = self.num_intervals
         self.counts = np.diff(self._offsets).reshape(p, p).T.copy()
-        self._src = self._load("src.npy")
-        self._dst = self._load("dst.npy")
-        self._eids = self._load("eids.npy")
+        big = self._load if mmap else self._reader
+        self._src = big("src.npy")
+        self._dst = big("dst.npy")
+        self._eids = big("eids.npy")
         # In lazy mode a chunk is hash-checked the first time it is read; in full mode the whole
         # files already were.
         self._chunk_ok = np.full(p * p, verify == "full", dtype=bool)
@@ -99,20 +110,25 @@ class ChunkStore(ChunkSource):
         self._ordering = None
 
     @classmethod
-    def open(cls, path, *, verify: str = "full") -> "ChunkStore":
+    def open(cls, path, *, verify: str = "full", mmap: bool = True) -> "ChunkStore":
         """Open the store at ``path``; ``verify`` is ``"full"`` or ``"lazy"`` (module docstring).
+
+        ``mmap=False`` reads chunks with ``pread`` into fresh arrays instead of mapping the edge
+        files, so the resident memory holds only the chunks in use (module docstring).
 
         Raises :class:`StoreError` naming the file and the problem when the store is incomplete
         (no manifest), damaged (size, header or checksum mismatch, missing file) or inconsistent.
         """
         if verify not in ("full", "lazy"):
             raise ValueError(f"verify must be 'full' or 'lazy' (got {verify!r})")
+        if not isinstance(mmap, bool):
+            raise TypeError(f"mmap must be True or False (got {mmap!r})")
         path = Path(path)
         manifest = _read_manifest(path)
         _check_files(path, manifest)
         for rel in _SMALL_FILES:
             _check_sha(path, manifest, rel)
-        store = cls(path, manifest, verify)
+        store = cls(path, manifest, verify, mmap)
         store._check_offsets()
         if verify == "full":
             for rel in manifest["files"]:
@@ -134,7 +150,9 @@ class ChunkStore(ChunkSource):
             self._require_sha("perm.npy")
             parts = self.manifest["ordering_parts"]
             try:
-                self._ordering = Ordering(np.array(self._load("perm.npy")),
+                perm = (np.array(self._load("perm.npy")) if self.mmap
+                        else self._reader("perm.npy").read(0, self.num_nodes))
+                self._ordering = Ordering(perm,
                                           method=self.manifest["ordering"], bounds=parts)
             except ValueError as e:
                 raise StoreError(f"{self.path / 'perm.npy'}: not a valid ordering ({e})") from e
@@ -154,9 +172,30 @@ class ChunkStore(ChunkSource):
         self._require_sha(rel)
         return self._load(rel)
 
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of vertex array ``name`` (new-id order) as a new, writable array
+        [stop - start, ...], read with ``pread``: nothing stays mapped, so unlike slicing
+        :meth:`vertex_array` the pages read do not stay in this process's resident set."""
+        if name not in self.manifest["vertex_arrays"]:
+            raise KeyError(f"no vertex array {name!r} in {self.path}; it has "
+                           f"{list(self.manifest['vertex_arrays'])}")
+        n = self.num_nodes
+        for what, v in (("start", start), ("stop", stop)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"{what} must be an int (got {v!r})")
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"rows {start}:{stop} out of range for vertex array {name!r} with "
+                             f"{n} rows; need 0 <= start <= stop <= {n}")
+        rel = f"vertex/{name}.npy"
+        self._require_sha(rel)
+        return self._reader(rel).read(int(start), int(stop))
+
     def _chunk_arrays(self, i, j):
         lo, hi = self._chunk_slice(i, j)
-        src, dst, eids = self._src[lo:hi], self._dst[lo:hi], self._eids[lo:hi]
+        if self.mmap:
+            src, dst, eids = self._src[lo:hi], self._dst[lo:hi], self._eids[lo:hi]
+        else:
+            src, dst, eids = (f.read(lo, hi) for f in (self._src, self._dst, self._eids))
         k = j * self.num_intervals + i
         if not self._chunk_ok[k]:
             h = hashlib.sha256()
@@ -176,6 +215,15 @@ class ChunkStore(ChunkSource):
         except (OSError, ValueError) as e:
             raise StoreError(f"{self.path / rel}: cannot be read as .npy ({e})") from e
 
+    def _reader(self, rel: str) -> "_RowReader":
+        info = self.manifest["files"][rel]
+        try:
+            with open(self.path / rel, "rb") as f:
+                offset = _npy_data_offset(f)
+        except (OSError, ValueError) as e:
+            raise StoreError(f"{self.path / rel}: cannot be read as .npy ({e})") from e
+        return _RowReader(self.path / rel, offset, tuple(info["shape"]), np.dtype(info["dtype"]))
+
     def _require_sha(self, rel: str) -> None:
         if not self._file_ok[rel]:
             _check_sha(self.path, self.manifest, rel)
@@ -194,7 +242,8 @@ class ChunkStore(ChunkSource):
     def __repr__(self) -> str:
         return (f"ChunkStore({str(self.path)!r}, num_nodes={self.num_nodes}, "
                 f"num_edges={self.num_edges}, num_intervals={self.num_intervals}, "
-                f"ordering={self.manifest['ordering']!r}, vertex_arrays={self.vertex_arrays})")
+                f"ordering={self.manifest['ordering']!r}, vertex_arrays={self.vertex_arrays}"
+                f"{'' if self.mmap else ', mmap=False'})")
 
     # ------------------------------------------------------------------ writing
     @classmethod
@@ -621,6 +670,32 @@ class _Writer:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise OSError(f"could not move the finished store into {self.path}: {e}") from e
         _fsync(self.path.parent)
+
+
+class _RowReader:
+    """Rows of a C-order ``.npy`` file read with ``os.pread`` into fresh arrays (no mapping).
+
+    A new file descriptor per read keeps it safe to use from the engine's prefetch thread."""
+
+    def __init__(self, path: Path, offset: int, shape: tuple, dtype: np.dtype):
+        self.path, self.offset, self.shape, self.dtype = path, offset, shape, dtype
+        self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        out = np.empty((hi - lo,) + self.shape[1:], dtype=self.dtype)
+        view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            done, start = 0, self.offset + lo * self.row_bytes
+            while done < view.nbytes:
+                n = os.preadv(fd, [view[done:]], start + done)
+                if n == 0:
+                    raise StoreError(f"{self.path}: ends before byte {start + done}; the file "
+                                     f"was truncated after the store was opened")
+                done += n
+        finally:
+            os.close(fd)
+        return out
 
 
 def _check_vertex_dtype(name: str, dtype: np.dtype) -> None:
