@@ -203,9 +203,9 @@ def train(a) -> dict:
             bar.close()
             acc = float((out.argmax(1) == y).float().mean())
             del out
-            epochs.append({"epoch": epoch, "loss": float(loss), "train_acc": acc,
+            epochs.append({"epoch": epoch, "loss": loss.item(), "train_acc": acc,
                            "forward_s": t1 - t0, "backward_s": t2 - t1, "epoch_s": t2 - t0})
-            print(f"epoch {epoch}: loss {float(loss):.4f}, forward {t1 - t0:.1f} s, "
+            print(f"epoch {epoch}: loss {loss.item():.4f}, forward {t1 - t0:.1f} s, "
                   f"backward+step {t2 - t1:.1f} s", file=sys.stderr, flush=True)
         last_run = dict(engine.last_run)
     sampler.phase = "done"
