@@ -5,6 +5,8 @@ reducer descriptors in :mod:`ngra.fn`, the streaming :class:`Engine`, and :mod:`
 Everything else is importable but not advertised.
 """
 
+import kernels as _kernels  # noqa: F401  (first: it picks OpenMP's wait policy before torch loads)
+
 from . import datasets
 from . import function as fn
 from . import nn

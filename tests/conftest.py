@@ -7,9 +7,13 @@ import os
 import random
 from pathlib import Path
 
-import numpy as np
-import pytest
-import torch
+# Before torch starts its OpenMP runtime: idle OpenMP threads must not spin on the cores that
+# numba's threads need (see kernels/__init__.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # numba reads NUMBA_ENABLE_CUDASIM once, at its first import, so this must run before any test
 # module imports numba: without a GPU, numba.cuda kernels then run in the CUDA simulator.
