@@ -231,7 +231,9 @@ def test_benchmark_small(tmp_path):
     (ep,) = tr["epochs"]
     assert np.isfinite(ep["loss"]) and ep["epoch_s"] > 0
     mem = tr["memory"]
-    assert 0 < mem["peak_rss_after_imports"] <= mem["ru_maxrss"]
-    assert mem["within_budget"] == (mem["ru_maxrss"] <= mem["budget"])
+    # getrusage's peak is updated lazily by the kernel, so it may trail VmHWM by a few pages.
+    assert 0 < mem["peak_rss_after_imports"] <= 1.05 * mem["ru_maxrss"]
+    assert mem["within_budget"] == (max(mem["ru_maxrss"], mem["peak_rss_after_imports"])
+                                    <= mem["budget"])
     assert tr["engine"]["num_intervals"] == cfg["intervals"] == 3
     assert not list((tmp_path / "data").iterdir())  # the store was removed afterwards
