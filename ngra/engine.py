@@ -317,7 +317,8 @@ class Engine:
                 cache[ij] = prepared
             return prepared
 
-        if not self.prefetch or len(order) < 2:
+        cached = cache is not None and all(ij in cache for ij in order)
+        if cached or not self.prefetch or len(order) < 2:  # nothing to load ahead of time
             for ij in order:
                 yield load(ij)
             return
