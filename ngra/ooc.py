@@ -298,6 +298,13 @@ class OutOfCoreGCN(torch.nn.Module):
         self.prop = SymNormPropagate()
 
     def forward(self, g: Graph, x, *, dinv: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(g, StoreGraph):
+            from .engine import current_engine
+            engine = current_engine()
+            if engine is None or engine.store is None or \
+                    Path(engine.store.path).resolve() != Path(g.store.path).resolve():
+                raise ValueError(f"{g!r} must be used inside ngra.Engine(store=...) on its own "
+                                 f"store {str(g.store.path)!r} (active engine: {engine!r})")
         if dinv is None:
             dinv = (g.in_degrees().to(self.b1.dtype) + 1).rsqrt().unsqueeze(1)
         if isinstance(x, DiskRows):

@@ -198,8 +198,17 @@ def test_store_graph(tmp_path):
         with pytest.raises(TypeError, match="run vertex programs on it inside ngra.Engine"):
             getattr(g, what)()
     # Outside the engine a vertex program would need the edges: a clear error, not zeros.
-    model = OutOfCoreGCN(2, 2, 2)
     with pytest.raises(TypeError, match="StoreGraph.in_csr"):
+        model_prop = OutOfCoreGCN(2, 2, 2).prop
+        model_prop(g, {"h": torch.zeros(n, 2), "dinv": torch.ones(n, 1)})
+    model = OutOfCoreGCN(2, 2, 2)
+    with pytest.raises(ValueError, match="must be used inside ngra.Engine.store=.... on its own"):
+        model(g, DiskRows(store, "x"))
+    other = write_store(tmp_path / "t", src, dst, n, np.zeros((n, 2), np.float32),
+                        np.zeros(n, np.int64), 2)
+    with ngra.Engine(store=other), pytest.raises(ValueError, match="on its own store"):
+        model(g, DiskRows(store, "x"))
+    with ngra.Engine(num_chunks=2), pytest.raises(ValueError, match="on its own store"):
         model(g, DiskRows(store, "x"))
     with pytest.raises(TypeError, match="needs an open partition.ChunkStore"):
         StoreGraph(str(tmp_path / "s"))
