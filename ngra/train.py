@@ -516,18 +516,17 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
     optimizer = torch.optim.Adam(_param_groups(model, weight_decay, weight_decay_on), lr=lr)
     stopper = _Stopper(patience, selection)
     fingerprint = {"lr": float(lr), "weight_decay": float(weight_decay), "weight_decay_on": weight_decay_on,
-                   "patience": patience, "selection": selection, "params": {k: list(v.shape) for k, v in model.state_dict().items()},
-                   **(run_info or {})}
+                   "patience": patience, "selection": selection,
+                   "params": {k: list(v.shape) for k, v in model.state_dict().items()}, **(run_info or {})}
+    ckpt_path = None if checkpoint is None else check_checkpoint_dir(checkpoint, resume=resume)
 
     # Compile every layer's program up front (train and eval mode), so that compilation is
     # neither in the first epoch's time nor anywhere in the random-number stream.
     compile_model(model, d, forward_kwargs=kwargs)
 
-    ckpt_path = None
     history: list[EpochStats] = []
     start, finished, resumed_from = 0, False, None
-    if checkpoint is not None:
-        ckpt_path = check_checkpoint_dir(checkpoint, resume=resume)
+    if ckpt_path is not None:
         if resume:
             state = _load_checkpoint(ckpt_path)
             _check_fingerprint(state["fingerprint"], fingerprint, ckpt_path)
@@ -800,7 +799,10 @@ def setup(config: TrainConfig, *, data=None):
     if config.checkpoint is not None:
         check_checkpoint_dir(config.checkpoint, resume=config.resume)
     engine_ctx = _engine_context(config)
+    normalized = config.normalize_features
     if data is None:
+        if normalized is None:
+            normalized = config.dataset.lower() in _ROW_NORMALIZED
         data = load_dataset(config.dataset, config.data_dir, seed=config.seed,
                             normalize_features=config.normalize_features, options=config.dataset_options)
     if data.y is None or data.train_mask is None:
@@ -826,7 +828,7 @@ def setup(config: TrainConfig, *, data=None):
                               f"with {flag}: {e}") from e
     run_info = {"model": config.model, "dataset": config.dataset.lower(), "seed": config.seed,
                 "hidden": hp.hidden, "num_layers": hp.num_layers, "dropout": hp.dropout,
-                "normalize_features": config.normalize_features}
+                "normalize_features": normalized}
     if config.model == "gat":
         run_info["heads"] = hp.heads
     if config.dataset_options:
