@@ -88,9 +88,14 @@ class _GSpMM(torch.autograd.Function):
     def forward(ctx, csr, mod, binop, reduce, u, e):
         # The arg-max/min edge is only needed to route gradients.
         need_arg = reduce in ("max", "min") and any(ctx.needs_input_grad[4:6])
-        out, arg = mod.spmm(csr, binop, reduce, u, e, need_arg=need_arg)
         ctx.csr, ctx.mod, ctx.binop, ctx.reduce = csr, mod, binop, reduce
         ctx.fu, ctx.fe = _feat(u), _feat(e)
+        if not need_arg:
+            # Saved before the kernel runs: when this call is recomputed under non-reentrant
+            # activation checkpointing, the recomputation can stop here without redoing it.
+            ctx.save_for_backward(u, e, None)
+            return mod.spmm(csr, binop, reduce, u, e, need_arg=False)[0]
+        out, arg = mod.spmm(csr, binop, reduce, u, e, need_arg=True)
         ctx.save_for_backward(u, e, arg)
         return out
 

@@ -201,8 +201,6 @@ def _rowwise(n: Node, edge_ins: list[Node]) -> bool:
         return x in edge_ins and all(not isinstance(a, Node) or a.domain == "param" for a in n.args[1:])
     if name == "getitem":
         idx = n.args[1]
-        if isinstance(idx, int) and not isinstance(x, Node):
-            return True
         if not isinstance(idx, tuple) or not idx or map_nodes(idx, lambda m: None) != idx:
             return False
         if idx[0] == slice(None):
