@@ -43,8 +43,11 @@ def read_table(path, *, dtype, columns: int | None = None, delimiter=None, comme
                     with warnings.catch_warnings():
                         # a chunk of only comments is fine; numpy warns "input contained no data"
                         warnings.simplefilter("ignore", UserWarning)
+                        # numpy 1.x parses "2.5" as the integer 2 with only a DeprecationWarning;
+                        # numpy 2 refuses it. Refuse it everywhere: nothing is silently changed.
+                        warnings.simplefilter("error", DeprecationWarning)
                         block = np.loadtxt(lines, dtype=dtype, delimiter=delimiter, comments=comments, ndmin=2)
-                except ValueError as e:
+                except (ValueError, DeprecationWarning) as e:
                     raise ValueError(f"{path}: cannot parse lines {first_line}-{first_line + len(lines) - 1}: {e}") from e
                 if block.shape[0]:
                     if columns is not None and block.shape[1] != columns:
