@@ -45,6 +45,7 @@ def test_gate_stops_on_disagreement(tmp_path):
 
 
 @pytest.mark.pyg
+@pytest.mark.slow  # several worker processes per framework: minutes on 2 cores
 def test_quick_run_writes_schema(tmp_path):
     pytest.importorskip("torch_geometric")
     char = _load()

@@ -70,6 +70,7 @@ def test_reordered_partition_gives_same_result(ordering):
     assert engine.last_run["ordering"] == ordering
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(num_nodes=st.integers(1, 25), num_edges=st.integers(0, 80), p=st.integers(1, 9),
        seed=st.integers(0, 10_000), reduce=st.sampled_from(REDUCERS),
