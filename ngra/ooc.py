@@ -94,6 +94,11 @@ class StoreGraph(Graph):
     def reverse(self):
         self._no_edges("reverse")
 
+    def reversed(self) -> "StoreGraph":
+        """The transposed graph (every edge ``u -> v`` read as ``v -> u``) over
+        ``store.reversed()``, a view of the same files."""
+        return StoreGraph(self.store.reversed())
+
     def add_self_loops(self):
         self._no_edges("add_self_loops")
 
@@ -278,6 +283,39 @@ class SymNormPropagate(VertexProgram):
         return (acc + v.data["h"] * v.data["dinv"]) * v.data["dinv"]
 
 
+class _StreamedPropagate(torch.autograd.Function):
+    r"""``Y = Â H`` streamed from a store with no autograd inside the engine.
+
+    ``Â = D^-1/2 (A + I) D^-1/2`` is linear in ``H``, so ``dH = Â^T dY``, and
+    ``Â^T = D^-1/2 (A^T + I) D^-1/2`` is the same program on the transposed graph
+    (``store.reversed()``, a view). Both directions run under ``torch.no_grad()``: the engine's
+    own autograd path keeps every chunk's CSR alive until backward (the kernels hold it as a
+    ``ctx`` attribute, which activation checkpointing does not free), i.e. O(E) memory.
+    """
+
+    @staticmethod
+    def forward(ctx, h, dinv, prop, g, engine):
+        with torch.no_grad(), _engine_like(engine, g.store) as inner:
+            out = prop(g, {"h": h, "dinv": dinv})
+        engine.last_run = inner.last_run  # the user's engine reports the streamed call
+        ctx.prop, ctx.g, ctx.engine = prop, g, engine
+        ctx.save_for_backward(dinv)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (dinv,) = ctx.saved_tensors
+        rev = ctx.g.reversed()
+        with torch.no_grad(), _engine_like(ctx.engine, rev.store):
+            grad_h = ctx.prop(rev, {"h": grad_out.contiguous(), "dinv": dinv})
+        return grad_h, None, None, None, None
+
+
+def _engine_like(engine, store):
+    from .engine import Engine
+    return Engine(store=store, prefetch=engine.prefetch, backend=engine.backend)
+
+
 class OutOfCoreGCN(torch.nn.Module):
     r"""2-layer GCN: ``softmax`` logits ``Z = Â relu(Â X W1 + b1) W2 + b2``,
     ``Â = D^-1/2 (A + I) D^-1/2`` (:class:`SymNormPropagate`), ``X`` on disk.
@@ -298,6 +336,7 @@ class OutOfCoreGCN(torch.nn.Module):
         self.prop = SymNormPropagate()
 
     def forward(self, g: Graph, x, *, dinv: torch.Tensor | None = None) -> torch.Tensor:
+        engine = None
         if isinstance(g, StoreGraph):
             from .engine import current_engine
             engine = current_engine()
@@ -314,9 +353,14 @@ class OutOfCoreGCN(torch.nn.Module):
                 h = h.index_select(0, torch.from_numpy(store.ordering.inv))  # to original order
         else:
             h = torch.nn.functional.linear(x, self.lin1.weight)
-        h = torch.relu(self.prop(g, {"h": h, "dinv": dinv}) + self.b1)
+        h = torch.relu(self._propagate(g, h, dinv, engine) + self.b1)
         h = self.lin2(h)
-        return self.prop(g, {"h": h, "dinv": dinv}) + self.b2
+        return self._propagate(g, h, dinv, engine) + self.b2
+
+    def _propagate(self, g, h, dinv, engine):
+        if engine is None:  # in memory (or the engine's own autograd for an in-memory graph)
+            return self.prop(g, {"h": h, "dinv": dinv})
+        return _StreamedPropagate.apply(h, dinv, self.prop, g, engine)
 
 
 # -- memory ----------------------------------------------------------------------------------------

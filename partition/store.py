@@ -49,7 +49,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ._edges import as_edges, check_count
-from .chunk_grid import (ChunkGrid, ChunkSource, CostModel, chunk_order, count_keys,
+from .chunk_grid import (Chunk, ChunkGrid, ChunkSource, CostModel, chunk_order, count_keys,
                          index_dtype_for, interval_bounds, interval_of, search_num_intervals)
 from .ordering import Ordering
 from .units import parse_bytes
@@ -171,6 +171,17 @@ class ChunkStore(ChunkSource):
         rel = f"vertex/{name}.npy"
         self._require_sha(rel)
         return self._load(rel)
+
+    def reversed(self) -> "ChunkStore":
+        """This store's graph with every edge ``u -> v`` read as ``v -> u`` (the transpose).
+
+        A view, nothing is copied: chunk ``(i, j)`` of the view is chunk ``(j, i)`` of this store
+        with ``src`` and ``dst`` swapped (same edge ids, same ordering, intervals and vertex
+        arrays, same checksum checks); ``counts`` is transposed. ``view.reversed()`` is this
+        store. Streaming a vertex program over the view computes with ``A^T``, e.g. the
+        backward of a linear propagation ``A h``.
+        """
+        return _ReversedStore(self)
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` of vertex array ``name`` (new-id order) as a new, writable array
@@ -670,6 +681,30 @@ class _Writer:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise OSError(f"could not move the finished store into {self.path}: {e}") from e
         _fsync(self.path.parent)
+
+
+class _ReversedStore(ChunkStore):
+    """See :meth:`ChunkStore.reversed`."""
+
+    def __init__(self, base: ChunkStore):  # noqa: D107 (a view: shares base's state)
+        self.__dict__.update(base.__dict__)
+        self._base = base
+        self.counts = base.counts.T.copy()
+
+    def chunk(self, i: int, j: int) -> Chunk:
+        c = self._base.chunk(j, i)
+        i, j = c.j, c.i
+        return Chunk(i, j, self.bounds[i:i + 2], self.bounds[j:j + 2], c.dst, c.src, c.eids)
+
+    def _chunk_arrays(self, i, j):
+        c = self.chunk(i, j)
+        return c.src, c.dst, c.eids
+
+    def reversed(self) -> ChunkStore:
+        return self._base
+
+    def __repr__(self) -> str:
+        return f"{self._base!r}.reversed()"
 
 
 class _RowReader:

@@ -246,3 +246,32 @@ def test_benchmark_small(tmp_path):
                                     <= mem["budget"])
     assert tr["engine"]["num_intervals"] == cfg["intervals"] == 3
     assert not list((tmp_path / "data").iterdir())  # the store was removed afterwards
+
+
+def test_streamed_forward_keeps_no_chunk_alive(tmp_path):
+    """The edge memory of a training step must be O(chunk), not O(E): after the forward no
+    chunk's CSR may still be referenced (the engine's own autograd path keeps all of them)."""
+    import gc
+
+    import kernels
+
+    name, src, dst, n = GRAPHS[-1]
+    write_store(tmp_path / "s", src, dst, n, np.ones((n, 3), np.float32), np.zeros(n, np.int64), 3)
+    store = partition.ChunkStore.open(tmp_path / "s", mmap=False)
+    model = OutOfCoreGCN(3, 4, 2)
+    with ngra.Engine(store=store):
+        out = model(StoreGraph(store), DiskRows(store, "x"))
+    gc.collect()
+    assert out.requires_grad
+    assert [o for o in gc.get_objects() if type(o) is kernels.CSR] == []
+    out.sum().backward()
+    assert model.lin1.weight.grad is not None
+
+
+def test_store_graph_reversed(tmp_path):
+    name, src, dst, n = GRAPHS[-1]
+    write_store(tmp_path / "s", src, dst, n, np.zeros((n, 1), np.float32), np.zeros(n, np.int64), 3)
+    g = StoreGraph(partition.ChunkStore.open(tmp_path / "s", mmap=False))
+    r = g.reversed()
+    assert isinstance(r, StoreGraph) and r.store.reversed() is g.store
+    torch.testing.assert_close(r.in_degrees(), torch.from_numpy(np.bincount(src, minlength=n)))

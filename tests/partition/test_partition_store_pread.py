@@ -115,3 +115,27 @@ def test_pread_chunks_leave_no_file_pages_resident(tmp_path):
         del s, ch
     assert resident[True] > 0.8 * edge_bytes
     assert resident[False] < 0.05 * edge_bytes
+
+
+@pytest.mark.parametrize("graph", GRAPHS, ids=[g[0] for g in GRAPHS])
+@pytest.mark.parametrize("ordering", [None, "rcm"])
+@pytest.mark.parametrize("mmap", [True, False])
+def test_reversed_view_is_the_grid_of_the_reversed_graph(tmp_path, graph, ordering, mmap):
+    name, src, dst, n = graph
+    src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+    path, arrays = _store(tmp_path, src, dst, n, ordering=ordering)
+    s = ChunkStore.open(path, mmap=mmap)
+    rev = s.reversed()
+    assert isinstance(rev, ChunkStore) and rev.reversed() is s
+    assert repr(rev) == repr(s) + ".reversed()"
+    ref = grid(dst, src, n, num_intervals=s.num_intervals, ordering=s.ordering)
+    assert (rev.num_nodes, rev.num_edges, rev.num_intervals) == (n, len(src), s.num_intervals)
+    assert np.array_equal(rev.counts, ref.counts) and np.array_equal(rev.counts, s.counts.T)
+    assert np.array_equal(rev.ordering.perm, s.ordering.perm)
+    for a, b in zip(rev.chunks("row", skip_empty=False), ref.chunks("row", skip_empty=False)):
+        assert (a.i, a.j, a.src_start, a.dst_start) == (b.i, b.j, b.src_start, b.dst_start)
+        for field in ("src", "dst", "eids"):
+            assert np.array_equal(getattr(a, field), getattr(b, field))
+    assert np.array_equal(rev.read_rows("x", 0, n), s.read_rows("x", 0, n))
+    with pytest.raises(IndexError):
+        rev.chunk(s.num_intervals, 0)
