@@ -10,6 +10,12 @@ vertex-program call from disk and keeps vertex-level data resident. What it does
 - the *input features* ``X`` [N, F], often the biggest array of all: :class:`DiskLinear`
   computes ``X W^T`` reading ``X`` from disk in row blocks, and its backward reads ``X`` again
   for ``dW = sum_b dY_b^T X_b``, so only ``[N, out]`` is ever resident;
+- *edge memory under autograd*: inside the engine, the kernels keep each chunk's CSR as a
+  ``ctx`` attribute, which the engine's activation checkpointing does not free, so a streamed
+  forward with gradients holds every chunk until backward (O(E)). The GCN propagation is
+  linear, so :class:`OutOfCoreGCN` streams it under ``no_grad`` and streams its backward
+  ``Â^T dY`` as the same program over the transposed store (``ChunkStore.reversed()``, a
+  view): one chunk (plus the prefetched one) resident in both directions;
 - *resident-memory accounting*: :func:`memory_status` and :func:`reset_peak_rss` read and
   reset the kernel's peak resident set (``VmHWM``).
 
@@ -317,7 +323,7 @@ def _engine_like(engine, store):
 
 
 class OutOfCoreGCN(torch.nn.Module):
-    r"""2-layer GCN: ``softmax`` logits ``Z = Â relu(Â X W1 + b1) W2 + b2``,
+    r"""2-layer GCN, logits ``Z = Â relu(Â X W1^T + b1) W2^T + b2`` [N, classes],
     ``Â = D^-1/2 (A + I) D^-1/2`` (:class:`SymNormPropagate`), ``X`` on disk.
 
     ``forward(g, x)`` takes a graph (a :class:`StoreGraph`, inside ``ngra.Engine(store=...)``,
