@@ -280,7 +280,10 @@ def save_weights(models, stats, work: Path, seed=0):
 
 def _spawn(framework, spec: dict, spec_path: Path, args):
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONUNBUFFERED="1")
+    # One OpenMP wait policy for every framework: ngra sets PASSIVE when imported before torch
+    # (kernels/__init__.py); the PyG and DGL workers must not get spinning threads instead.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONUNBUFFERED="1",
+               OMP_WAIT_POLICY="PASSIVE")
     if framework == "dgl":
         env["DGLBACKEND"] = "pytorch"
         cmd = [args.dgl_python, str(HERE / "characterize_dgl.py"), str(spec_path)]

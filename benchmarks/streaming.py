@@ -4,7 +4,9 @@
     python benchmarks/streaming.py --quick      # 100K / 1.6M, a minute or two
 
 Every configuration runs in its own fresh process, which loads the same saved graph, features and
-weights, runs a warm-up step, then ``--repeats`` timed steps (forward, loss, backward). Peak memory
+weights, runs a warm-up step, then ``--repeats`` timed steps (forward, loss, backward); a second
+process measures memory (see :func:`launch`: glibc then returns freed large blocks to the OS at
+once, so the resident set follows live memory). Peak memory
 is the OS's resident-set high-water mark (``VmHWM``), reset (``/proc/self/clear_refs``) right
 before the timed steps, minus the resident set at that moment: the memory the step itself adds
 on top of the loaded graph, features and model. Budgets for the streamed runs are 1/2, 1/4 and
@@ -193,19 +195,35 @@ def prepare(data: Path, nodes: int, edges: int, seed: int):
 
 def launch(python: str, data: Path, framework: str, budget: int | None, repeats: int,
            timeout: float):
+    """Run one configuration twice, in fresh processes: once for time, once for memory.
+
+    Memory run: glibc is told to hand freed blocks of 64 KiB and more straight back to the OS
+    (``MALLOC_MMAP_THRESHOLD_``), so the resident set follows live memory; by default glibc keeps
+    freed large blocks after the warm-up step and the timed step reuses them unseen. That setting
+    makes every large allocation fault in fresh zeroed pages, which slows the step down, so the
+    time comes from a second run with glibc's defaults. Both runs set the same OpenMP wait policy
+    as ngra does (kernels/__init__.py), for every framework.
+    """
     cmd = [python, str(Path(__file__).resolve()), "--worker", "--data", str(data),
-           "--framework", framework, "--repeats", str(repeats)]
+           "--framework", framework]
     if budget:
         cmd += ["--budget", str(budget)]
-    env = dict(os.environ, DGLBACKEND="pytorch", PYTHONPATH=str(ROOT))
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    if res.returncode != 0:
-        tail = (res.stderr.strip().splitlines() or ["?"])[-1]
-        return {"error": f"exit {res.returncode}: {tail[:200]}"}
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    base_env = dict(os.environ, DGLBACKEND="pytorch", PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
+    mem_env = dict(base_env, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+    out = {}
+    for env, reps, keep in ((base_env, repeats, ("step_s", "loss", "grad_norm", "num_intervals")),
+                            (mem_env, 1, ("peak_bytes",))):
+        try:
+            res = subprocess.run(cmd + ["--repeats", str(reps)], capture_output=True, text=True,
+                                 timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s"}
+        if res.returncode != 0:
+            tail = (res.stderr.strip().splitlines() or ["?"])[-1]
+            return {"error": f"exit {res.returncode}: {tail[:200]}"}
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        out.update({k: got[k] for k in keep if k in got})
+    return out
 
 
 def main(argv=None):
