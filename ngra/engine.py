@@ -162,7 +162,8 @@ class Engine:
 
     - ``num_chunks=P``: P vertex intervals, so a grid of P x P edge chunks;
     - ``memory_budget`` (bytes, or a string such as ``"512MiB"``): the smallest P whose estimated
-      resident memory fits (see :meth:`estimate`); an error says when no P can fit;
+      edge-level working set fits (see :meth:`estimate`; vertex-level data stays resident on top
+      of the budget, :meth:`vertex_bytes`); an error says when no P can fit;
     - ``store``: a path to (or an open) ``partition.ChunkStore`` with the graph's chunks on disk.
 
     ``ordering`` (``"identity"``, ``"rcm"``, ``"metis"``) reorders vertices for locality before
@@ -214,32 +215,38 @@ class Engine:
 
     # -- partition ------------------------------------------------------------------------------
     def estimate(self, program, g, num_intervals: int, column_edges: int | None = None) -> int:
-        """Estimated peak bytes one streamed call of ``program`` on ``g`` adds, with P intervals.
+        """Estimated peak bytes of the *edge-level* working set of one streamed call, P intervals.
 
-        ``vertex_bytes * N + edge_bytes * C_col + 2 * 40 * C_chunk``:
+        This is what streaming controls and what ``memory_budget`` bounds:
+        ``2 * edge_bytes * C_col + 2 * 40 * C_chunk``, where
 
-        - ``vertex_bytes``: row widths of the vertex values that stay resident while the columns
-          stream: the values the edge part reads, plus each accumulator twice (the columns'
-          results and their concatenation);
-        - ``edge_bytes``: row widths of every edge-domain value of the IR: backward recomputes one
-          destination column under autograd, so all of a column's edge values are alive at once;
-          ``C_col`` is the most in-edges of one destination interval;
+        - ``edge_bytes`` sums the row widths of the edge-domain values of the IR that own
+          memory (views such as ``view``/``unsqueeze`` are not counted); backward recomputes
+          one destination column under autograd, so a column's values and their gradients
+          (hence the factor 2) are alive at once; ``C_col`` is the most in-edges of one
+          destination interval;
         - ``2 * 40 * C_chunk``: index arrays of the chunk in use and the one being prefetched
-          (``C_chunk`` = E / P**2 edges, 40 bytes per edge at most).
+          (``C_chunk`` = E / P**2, 40 bytes per edge at most).
 
-        Not counted: the graph itself, the model and optimizer, and the prepared chunk index cache
-        that an in-memory grid keeps after the first call (persistent state, like the graph's own
-        CSR), nor activations of other layers kept for backward.
+        Vertex-level memory (features, lifted projections, accumulators: :meth:`vertex_bytes`)
+        stays resident whatever P is; it is a fixed overhead on top of the budget, as are the
+        graph, the model and the prepared chunk index cache an in-memory grid keeps.
         """
         plan = StreamPlan.of(program.ir)
-        vbytes = sum(_row_bytes(n) for n in plan.pre if id(n) in plan.needs) + \
-            2 * sum(_row_bytes(r) for r in plan.reductions)
-        ebytes = sum(_row_bytes(n) for n in plan.edge if n.op not in _REDUCTIONS)
-        n, e = g.num_nodes, g.num_edges
+        ebytes = sum(_row_bytes(n) for n in plan.edge if n.op not in _REDUCTIONS and not _is_view(n))
+        e = g.num_edges
         if column_edges is None:
             column_edges = _max_column_edges(g, num_intervals)
         chunk_edges = math.ceil(e / num_intervals ** 2) if e else 0
-        return int(vbytes * n + ebytes * column_edges + 2 * 40 * chunk_edges)
+        return int(2 * ebytes * column_edges + 2 * 40 * chunk_edges)
+
+    def vertex_bytes(self, program, g) -> int:
+        """Vertex-level bytes one streamed call keeps resident whatever P is: the values the edge
+        part reads, plus each accumulator twice (the columns' results and their concatenation)."""
+        plan = StreamPlan.of(program.ir)
+        per_vertex = sum(_row_bytes(n) for n in plan.pre if id(n) in plan.needs) + \
+            2 * sum(_row_bytes(r) for r in plan.reductions)
+        return int(per_vertex * g.num_nodes)
 
     def _num_intervals(self, program, g) -> int:
         if self.store is not None:
@@ -247,20 +254,16 @@ class Engine:
         if self.num_chunks is not None:
             return self.num_chunks
         p = 1
-        floor = self.estimate(program, g, max(1, g.num_nodes), column_edges=0)
-        if floor > self.budget:
-            raise ValueError(
-                f"memory_budget {partition.format_bytes(self.budget)} is below the vertex-level "
-                f"memory of this layer ({partition.format_bytes(floor)} for {g.num_nodes} vertices), "
-                "which the engine keeps resident; raise the budget")
         cap = max(1, min(g.num_nodes, MAX_INTERVALS))
         while self.estimate(program, g, p) > self.budget:
             if p >= cap:
                 raise ValueError(
                     f"memory_budget {partition.format_bytes(self.budget)} cannot be met: with "
                     f"{p} intervals ({p * p} chunks; at most {MAX_INTERVALS} intervals are used, "
-                    f"since every chunk costs Python overhead) this layer still needs about "
-                    f"{partition.format_bytes(self.estimate(program, g, p))}; raise the budget")
+                    f"since every chunk costs Python overhead) the edge-level working set of this "
+                    f"layer is still about {partition.format_bytes(self.estimate(program, g, p))} "
+                    f"(the destination with the most in-edges has "
+                    f"{int(g.in_degrees().max()) if g.num_edges else 0}); raise the budget")
             p = min(2 * p, cap)
         return p
 
@@ -336,6 +339,19 @@ def _row_bytes(n: Node) -> int:
     if n.shape is None or n.dtype is None or n.domain not in ("vertex", "edge"):
         return 0
     return math.prod(n.shape[1:]) * torch.empty((), dtype=n.dtype).element_size()
+
+
+_VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "expand", "permute", "transpose",
+          "contiguous", "getitem", "unflatten", "as_strided", "narrow", "select", "detach"}
+
+
+def _is_view(n: Node) -> bool:
+    """Whether a node's value shares its input's memory (not counted as a new allocation)."""
+    if n.op == "call_method":
+        return n.target in _VIEWS
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", "") in _VIEWS
+    return False
 
 
 def _max_column_edges(g, p: int) -> int:
