@@ -94,6 +94,9 @@ def graph_specs(args):
         specs.append(("rmat-s18-ef16", lambda: rmat_graph(18, 16, 1)))
     if args.full:
         specs.append(("rmat-s21-ef16", lambda: rmat_graph(21, 16, 2)))
+    if args.graphs:
+        wanted = set(args.graphs.split(","))
+        specs = [s for s in specs if s[0].split("-")[0] in wanted or s[0] in wanted]
     return specs
 
 
@@ -253,6 +256,8 @@ def time_method(fn, case, n, e, reps):
 def build_cases(args, graph_name, graph_dir, n, e):
     cases = []
     feats = [16, 64] if args.quick else [16, 64, 256]
+    if args.feats:
+        feats = [int(f) for f in args.feats.split(",")]
     spmm = [("copy_u", "sum"), ("copy_u", "max"), ("u_mul_e", "sum")]
     for f in feats:
         for p in ("fwd", "bwd"):
@@ -357,6 +362,9 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="also every gspmm op x reducer (forward, F=64) on the uniform graph")
     ap.add_argument("--no-dgl", action="store_true", help="skip the DGL subprocess")
+    ap.add_argument("--graphs", default="",
+                    help="comma list of graph kinds or names to keep (e.g. uniform, rmat)")
+    ap.add_argument("--feats", default="", help="comma list of feature sizes (e.g. 64)")
     ap.add_argument("--out", default=str(REPO / "results" / "kernels"))
     args = ap.parse_args()
     reps = args.reps or (3 if args.quick else 5)

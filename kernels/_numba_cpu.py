@@ -152,6 +152,8 @@ def _spmm_sum(parts, indptr, indices, eids, U, W, out, op, mode, inner, loff, ro
                 for k in range(beg, end):
                     if k + PREFETCH < pend:
                         _prefetch_row(U, indices[k + PREFETCH], lu, uline)
+                        # e is in original edge order: its rows are random reads too
+                        _prefetch_row(W, eids[k + PREFETCH], lw, uline)
                     urow = U[indices[k]]
                     erow = W[eids[k]]
                     for b in range(nb):
@@ -182,30 +184,51 @@ def _spmm_sum(parts, indptr, indices, eids, U, W, out, op, mode, inner, loff, ro
 
 
 @njit(inline="always")
-def _msg(op, mode, inner, U, W, s, eid, f, loff, roff):
+def _message_row(op, mode, inner, urow, erow, loff, roff, buf):
+    """buf[:] = op(u row, e row) for one edge, with loops simple enough to vectorize."""
+    lo = buf.size
     if mode == M_COPY_U:
-        return U[s, f]
-    if mode == M_COPY_E:
-        return W[eid, f]
-    if mode == M_BLOCK_E:
-        return _bop(op, U[s, f], W[eid, f // inner])
-    return _bop(op, U[s, loff[f]], W[eid, roff[f]])
-
-
-@njit(inline="always")
-def _take(is_max, m, o):
-    return m > o if is_max else m < o
+        for f in range(lo):
+            buf[f] = urow[f]
+    elif mode == M_COPY_E:
+        for f in range(lo):
+            buf[f] = erow[f]
+    elif mode == M_BLOCK_E:
+        for b in range(lo // inner):
+            w = erow[b]
+            o = b * inner
+            if op == MUL:
+                for f in range(inner):
+                    buf[o + f] = urow[o + f] * w
+            elif op == ADD:
+                for f in range(inner):
+                    buf[o + f] = urow[o + f] + w
+            elif op == SUB:
+                for f in range(inner):
+                    buf[o + f] = urow[o + f] - w
+            else:
+                for f in range(inner):
+                    buf[o + f] = urow[o + f] / w
+    else:
+        for f in range(lo):
+            buf[f] = _bop(op, urow[loff[f]], erow[roff[f]])
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _spmm_maxmin(parts, indptr, indices, eids, U, W, out, arg, op, mode, inner, loff, roff,
                  is_max, with_arg):
-    """max/min; with ``with_arg`` also the edge id attaining it (only needed for backward)."""
+    """max/min; with ``with_arg`` also the edge id attaining it (only needed for backward).
+
+    Each edge's message row is formed in a small buffer first, so that both the message and the
+    compare loops are plain vectorizable loops whatever the op and broadcast layout.
+    """
     lo = out.shape[1]
     lu = U.shape[1]
+    lw = W.shape[1]
     uline = max(1, 64 // U.itemsize)
     for p in prange(parts.size - 1):
         pend = indptr[parts[p + 1]]
+        buf = np.empty(lo, out.dtype)
         for v in range(parts[p], parts[p + 1]):
             beg = indptr[v]
             end = indptr[v + 1]
@@ -218,44 +241,33 @@ def _spmm_maxmin(parts, indptr, indices, eids, U, W, out, arg, op, mode, inner, 
                     for f in range(lo):
                         arow[f] = -1
                 continue
-            s = indices[beg]
-            eid = eids[beg]
-            for f in range(lo):
-                orow[f] = _msg(op, mode, inner, U, W, s, eid, f, loff, roff)
-            if with_arg:
-                for f in range(lo):
-                    arow[f] = eid
-            # Strict comparisons keep the first (smallest edge id) of tied edges.
-            for k in range(beg + 1, end):
-                if k + PREFETCH < pend and mode != M_COPY_E:
-                    _prefetch_row(U, indices[k + PREFETCH], lu, uline)
-                s = indices[k]
+            for k in range(beg, end):
+                if k + PREFETCH < pend:
+                    if mode != M_COPY_E:
+                        _prefetch_row(U, indices[k + PREFETCH], lu, uline)
+                    if mode != M_COPY_U:
+                        _prefetch_row(W, eids[k + PREFETCH], lw, uline)
                 eid = eids[k]
-                if mode == M_COPY_U and not with_arg:
-                    urow = U[s]
-                    if is_max:
-                        for f in range(lo):
-                            orow[f] = max(orow[f], urow[f])
-                    else:
-                        for f in range(lo):
-                            orow[f] = min(orow[f], urow[f])
-                elif mode == M_COPY_U:
-                    urow = U[s]
+                _message_row(op, mode, inner, U[indices[k]], W[eid], loff, roff, buf)
+                if k == beg:
                     for f in range(lo):
-                        m = urow[f]
-                        c = _take(is_max, m, orow[f])
-                        orow[f] = m if c else orow[f]
-                        arow[f] = eid if c else arow[f]
+                        orow[f] = buf[f]
+                    if with_arg:
+                        for f in range(lo):
+                            arow[f] = eid
+                # Strict comparisons keep the first (smallest edge id) of tied edges.
                 elif with_arg:
                     for f in range(lo):
-                        m = _msg(op, mode, inner, U, W, s, eid, f, loff, roff)
-                        c = _take(is_max, m, orow[f])
+                        m = buf[f]
+                        c = m > orow[f] if is_max else m < orow[f]
                         orow[f] = m if c else orow[f]
                         arow[f] = eid if c else arow[f]
+                elif is_max:
+                    for f in range(lo):
+                        orow[f] = max(orow[f], buf[f])
                 else:
                     for f in range(lo):
-                        m = _msg(op, mode, inner, U, W, s, eid, f, loff, roff)
-                        orow[f] = m if _take(is_max, m, orow[f]) else orow[f]
+                        orow[f] = min(orow[f], buf[f])
 
 
 @njit(inline="always")
