@@ -1,13 +1,15 @@
 """Out-of-core training: a 2-layer GCN on a graph whose features and edges on disk exceed RAM.
 
 1. Generate a graph straight into a chunk store (``partition.ChunkStore.write_from_blocks``),
-   streaming: edges block by block (uniform random multigraph by default, R-MAT with
-   ``--generator rmat``, which is ~30x slower to draw), labels ``y`` uniform over the classes and
+   streaming: edges block by block (uniform random multigraph by default; R-MAT with
+   ``--generator rmat``, much slower to draw: ~2M edges/s on a busy 2-core machine), labels ``y``
+   uniform over the classes and
    features ``x = mu[y] + U(-1, 1)`` [N, F] float32, row block by row block. Nothing graph-sized
    is ever in memory; the disk must hold the store.
 2. In a fresh process (so that its ``ru_maxrss`` covers training only), open the store with
    ``mmap=False`` and train :class:`ngra.ooc.OutOfCoreGCN` (X W1 read from disk in row blocks,
-   both propagations streamed by ``ngra.Engine(store=...)``, vertex data [N, hidden] resident)
+   both propagations streamed by ``ngra.Engine(store=...)``, their backward over the store's
+   transposed view, vertex data [N, hidden] resident)
    for ``--epochs`` full-graph epochs with Adam, cross-entropy on every vertex.
 3. Report the epoch time, the store's size on disk (features + edges), the training process's
    peak resident memory (``VmHWM``, reset after imports; and ``ru_maxrss`` of the whole training
@@ -51,8 +53,8 @@ EDGE_BLOCK = 1 << 22
 
 # -- generation --------------------------------------------------------------------------------------
 def edge_factory(n: int, e: int, seed: int, generator: str):
-    """A callable returning a fresh iterator of (src, dst) int64 blocks (the same edges each time:
-    the store writer replays it once per pass instead of spilling to disk)."""
+    """A callable returning a fresh iterator of (src, dst) int64 blocks (the same edges each
+    time: the store writer replays it once per pass instead of spilling to disk)."""
     if generator == "rmat":
         from ngra.datasets import rmat_edges
         return lambda: rmat_edges(num_edges=e, num_nodes=n, seed=seed, block_size=EDGE_BLOCK)
@@ -325,8 +327,8 @@ def main(argv=None) -> dict:
             gen = generate(path, a)
         disk = store_bytes(path)
         print(f"store on disk: features {fmt(disk['features'])} + edges {fmt(disk['edges'])} "
-              f"= {fmt(disk['features_plus_edges'])} ({disk['features_plus_edges'] / mem_total:.2f}"
-              f" x host RAM)", flush=True)
+              f"= {fmt(disk['features_plus_edges'])} "
+              f"({disk['features_plus_edges'] / mem_total:.2f} x host RAM)", flush=True)
         with tempfile.TemporaryDirectory() as td:
             out_json = Path(td) / "train.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--train-store", str(path),
