@@ -7,6 +7,8 @@ kernels only. Double backward is not supported (``once_differentiable``).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -83,27 +85,50 @@ def gspmm(csr, op, reduce, u=None, e=None, backend="auto"):
     return _GSpMM.apply(csr, mod, binop, reduce, u, e)
 
 
+def _keep_csr(ctx, csr, *tensors):
+    """Save ``tensors`` and the CSR for backward without holding the CSR object itself.
+
+    The CSR's index tensors go through ``save_for_backward`` (so activation checkpointing can
+    free them after forward and recompute them), and only a weak reference to the CSR object is
+    kept: a streamed graph's chunk CSRs are then not all kept alive until backward. While the
+    original object lives (an in-memory graph caches it), backward uses it with its cached
+    transpose; otherwise it rebuilds one from the saved tensors.
+    """
+    ctx.csr_ref = weakref.ref(csr)
+    ctx.csr_shape = (csr.num_src, csr.num_dst)
+    ctx.save_for_backward(*tensors, csr.indptr, csr.indices, csr.eids)
+
+
+def _restore_csr(ctx):
+    """``(csr, other saved tensors)`` in backward (see :func:`_keep_csr`)."""
+    *tensors, indptr, indices, eids = ctx.saved_tensors
+    csr = ctx.csr_ref()
+    if csr is None or csr.indptr is not indptr:
+        csr = CSR(indptr, indices, eids, *ctx.csr_shape)
+    return csr, tensors
+
+
 class _GSpMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, csr, mod, binop, reduce, u, e):
         # The arg-max/min edge is only needed to route gradients.
         need_arg = reduce in ("max", "min") and any(ctx.needs_input_grad[4:6])
-        ctx.csr, ctx.mod, ctx.binop, ctx.reduce = csr, mod, binop, reduce
+        ctx.mod, ctx.binop, ctx.reduce = mod, binop, reduce
         ctx.fu, ctx.fe = _feat(u), _feat(e)
         if not need_arg:
             # Saved before the kernel runs: when this call is recomputed under non-reentrant
             # activation checkpointing, the recomputation can stop here without redoing it.
-            ctx.save_for_backward(u, e, None)
+            _keep_csr(ctx, csr, u, e, None)
             return mod.spmm(csr, binop, reduce, u, e, need_arg=False)[0]
         out, arg = mod.spmm(csr, binop, reduce, u, e, need_arg=True)
-        ctx.save_for_backward(u, e, arg)
+        _keep_csr(ctx, csr, u, e, arg)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        u, e, arg = ctx.saved_tensors
-        csr, mod, binop, reduce = ctx.csr, ctx.mod, ctx.binop, ctx.reduce
+        csr, (u, e, arg) = _restore_csr(ctx)
+        mod, binop, reduce = ctx.mod, ctx.binop, ctx.reduce
         need_u, need_e = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         g = grad_out.contiguous()
         if reduce in ("max", "min"):
@@ -229,15 +254,15 @@ class _GSDDMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, csr, mod, binop, lt, rt, lhs, rhs):
         out = mod.sddmm(csr, binop, lhs, lt, rhs, rt)
-        ctx.csr, ctx.mod, ctx.binop, ctx.lt, ctx.rt = csr, mod, binop, lt, rt
-        ctx.save_for_backward(lhs, rhs)
+        ctx.mod, ctx.binop, ctx.lt, ctx.rt = mod, binop, lt, rt
+        _keep_csr(ctx, csr, lhs, rhs)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        lhs, rhs = ctx.saved_tensors
-        csr, mod, binop, lt, rt = ctx.csr, ctx.mod, ctx.binop, ctx.lt, ctx.rt
+        csr, (lhs, rhs) = _restore_csr(ctx)
+        mod, binop, lt, rt = ctx.mod, ctx.binop, ctx.lt, ctx.rt
         g = grad_out.contiguous()
         gl = gr = None
         if ctx.needs_input_grad[5]:
@@ -299,12 +324,12 @@ class _EdgeSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, csr, mod, scores):
         y = mod.edge_softmax(csr, scores)
-        ctx.csr, ctx.mod = csr, mod
-        ctx.save_for_backward(y)
+        ctx.mod = mod
+        _keep_csr(ctx, csr, y)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
-        (y,) = ctx.saved_tensors
-        return None, None, ctx.mod.edge_softmax_backward(ctx.csr, y, grad_y.contiguous())
+        csr, (y,) = _restore_csr(ctx)
+        return None, None, ctx.mod.edge_softmax_backward(csr, y, grad_y.contiguous())

@@ -26,6 +26,7 @@ class CSR:
     """
 
     __slots__ = ("indptr", "indices", "eids", "num_src", "num_dst", "_transpose", "_dst_ids",
+                 "__weakref__",
                  "_coo", "_deg", "_backend_cache")
 
     def __init__(self, indptr, indices, eids, num_src, num_dst):
