@@ -21,7 +21,7 @@ def test_chunk_csrs_are_not_kept_alive_by_autograd(tmp_path):
         def apply_edge(self, e):
             return e.src["h"] * 2
 
-    h = torch.randn(g.num_nodes, 4, requires_grad=True)
+    h = torch.randn(g.num_nodes, 4, dtype=torch.float64, requires_grad=True)
     layer = Prop()
     with ngra.Engine(store=tmp_path / "s"):
         out = layer(g, {"h": h})
