@@ -10,12 +10,12 @@ vertex-program call from disk and keeps vertex-level data resident. What it does
 - the *input features* ``X`` [N, F], often the biggest array of all: :class:`DiskLinear`
   computes ``X W^T`` reading ``X`` from disk in row blocks, and its backward reads ``X`` again
   for ``dW = sum_b dY_b^T X_b``, so only ``[N, out]`` is ever resident;
-- *edge memory under autograd*: inside the engine, the kernels keep each chunk's CSR as a
-  ``ctx`` attribute, which the engine's activation checkpointing does not free, so a streamed
-  forward with gradients holds every chunk until backward (O(E)). The GCN propagation is
-  linear, so :class:`OutOfCoreGCN` streams it under ``no_grad`` and streams its backward
-  ``Â^T dY`` as the same program over the transposed store (``ChunkStore.reversed()``, a
-  view): one chunk (plus the prefetched one) resident in both directions;
+- *edge work in backward*: the GCN propagation is linear, so :class:`OutOfCoreGCN` streams it
+  under ``no_grad`` and streams its backward ``Â^T dY`` as the same program over the transposed
+  store (``ChunkStore.reversed()``, a view): one chunk (plus the prefetched one) resident in
+  both directions, and no checkpointed recomputation of the forward. (It was written when the
+  kernels still held every chunk's CSR as a ``ctx`` attribute until backward; since they keep it
+  weakly, plain autograd through the engine is bounded too, but it recomputes each column.)
 - *resident-memory accounting*: :func:`memory_status` and :func:`reset_peak_rss` read and
   reset the kernel's peak resident set (``VmHWM``).
 
