@@ -118,9 +118,9 @@ def test_streaming_flags(tmp_path, capsys):
     out = tmp_path / "m.json"
     assert train("--epochs", "2", "--num-chunks", "2", "--metrics-json", str(out)) == 0
     assert json.loads(out.read_text())["info"]["num_chunks"] == 2
-    assert train("--epochs", "2", "--memory-budget", "1KiB") == 2
+    assert train("--epochs", "2", "--memory-budget", "1B") == 2
     err = capsys.readouterr().err
-    assert "streaming engine cannot run gcn on sbm with --memory-budget 1KiB" in err and err.count("\n") == 1
+    assert "streaming engine cannot run gcn on sbm with --memory-budget 1B" in err and err.count("\n") == 1
 
 
 def test_info_prints_statistics(capsys):
