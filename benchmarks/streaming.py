@@ -325,8 +325,9 @@ def _report(rows, base, out: Path, args):
         a1.bar(names, [r["step_s"] for r in ok], color="tab:blue")
         a1.set_ylabel("training step (s, best of %d)" % args.repeats)
         a2.bar(names, [r["peak_bytes"] / mib for r in ok], color="tab:orange", label="peak")
-        budgets = [(r.get("budget_bytes") or 0) / mib for r in ok]
-        a2.scatter(names, budgets, color="black", marker="_", s=400, label="budget", zorder=3)
+        with_budget = [r for r in ok if r.get("budget_bytes")]
+        a2.scatter([r["config"] for r in with_budget], [r["budget_bytes"] / mib for r in with_budget],
+                   color="black", marker="_", s=400, label="budget", zorder=3)
         a2.set_ylabel("peak resident memory of the step (MiB)")
         a2.legend()
         for ax in (a1, a2):
