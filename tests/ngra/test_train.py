@@ -81,6 +81,17 @@ def test_gcn_learns_the_default_sbm():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_every_model_trains_on_cora(model):
+    if not (SHARED / "planetoid" / "cora").is_dir():
+        pytest.skip(f"{SHARED}/planetoid/cora not found")
+    res = run(TrainConfig(model=model, dataset="cora", data_dir=SHARED, epochs=6, dropout=0.0, patience=0,
+                          progress=False))
+    losses = [h.loss for h in res.history]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.slow
 def test_gcn_on_cora_one_seed():
     if not (SHARED / "planetoid" / "cora").is_dir():
         pytest.skip(f"{SHARED}/planetoid/cora not found")
