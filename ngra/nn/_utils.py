@@ -117,6 +117,17 @@ class Conv(VertexProgram):
     def _repr_args(self) -> list[str]:  # pragma: no cover - every layer overrides it
         return []
 
+    def prepare(self, g: Graph, x: torch.Tensor):
+        """Vertex field ``h`` = ``x`` [N, in_channels] (any width if the layer has no
+        ``in_channels``); no edge fields. Layers with more inputs override this."""
+        where = type(self).__name__
+        check_graph(where, g)
+        check_features(where, x, g, getattr(self, "in_channels", None))
+        return g, {"h": x}, {}
+
+    def forward(self, g: Graph, x: torch.Tensor):
+        return self.propagate(*self.prepare(g, x))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(self._repr_args())})"
 

@@ -55,15 +55,6 @@ class GatedGCNConv(Conv):
         return [str(self.in_channels), str(self.out_channels), f"bias={self.bias is not None}",
                 f"root_weight={self.root_weight}"]
 
-    def prepare(self, g: Graph, x: torch.Tensor):
-        """Vertex field ``h`` = ``x`` [N, in_channels]; no edge fields."""
-        check_graph(type(self).__name__, g)
-        check_features(type(self).__name__, x, g, self.in_channels)
-        return g, {"h": x}, {}
-
-    def forward(self, g: Graph, x: torch.Tensor):
-        return self.propagate(*self.prepare(g, x))
-
     def apply_edge(self, e):
         gate = torch.sigmoid(self.lin_key(e.dst["h"]) + self.lin_query(e.src["h"]))
         return gate * self.lin_value(e.src["h"])

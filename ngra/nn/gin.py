@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..graph import Graph
-from ._utils import Conv, check_bool, check_features, check_float, check_graph
+from ._utils import Conv, check_bool, check_float
 
 __all__ = ["GINConv"]
 
@@ -47,15 +46,6 @@ class GINConv(Conv):
 
     def _repr_args(self):
         return [f"nn={self.nn}", f"eps={self.initial_eps}", f"train_eps={self.train_eps}"]
-
-    def prepare(self, g: Graph, x: torch.Tensor):
-        """Vertex field ``h`` = ``x`` [N, F]; no edge fields."""
-        check_graph(type(self).__name__, g)
-        check_features(type(self).__name__, x, g, None)
-        return g, {"h": x}, {}
-
-    def forward(self, g: Graph, x: torch.Tensor):
-        return self.propagate(*self.prepare(g, x))
 
     def apply_edge(self, e):
         return e.src["h"]

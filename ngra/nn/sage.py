@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..graph import Graph
-from ._utils import Conv, check_bool, check_choice, check_features, check_graph, check_int
+from ._utils import Conv, check_bool, check_choice, check_int
 
 __all__ = ["SAGEConv"]
 
@@ -59,15 +58,6 @@ class SAGEConv(Conv):
     def _repr_args(self):
         return [str(self.in_channels), str(self.out_channels), f"aggr={self.aggr!r}",
                 f"bias={self.lin_l.bias is not None}", f"normalize={self.normalize}"]
-
-    def prepare(self, g: Graph, x: torch.Tensor):
-        """Vertex field ``h`` = ``x`` [N, in_channels]; no edge fields."""
-        check_graph(type(self).__name__, g)
-        check_features(type(self).__name__, x, g, self.in_channels)
-        return g, {"h": x}, {}
-
-    def forward(self, g: Graph, x: torch.Tensor):
-        return self.propagate(*self.prepare(g, x))
 
     def apply_edge(self, e):
         x = e.src["h"]
