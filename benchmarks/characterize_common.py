@@ -55,17 +55,104 @@ def peak_since(base: int | None) -> int | None:
 
 
 # -- stage timing -----------------------------------------------------------------------------------
-class StageTimer:
-    """``with timer("Gather"): ...`` adds the block's wall time to that stage."""
+def sequence_nr() -> int:
+    """The sequence number PyTorch gives the next autograd node created on this thread (the
+    number torch.profiler uses to link a backward op to its forward op)."""
+    import torch
+    return torch._C._autograd._get_sequence_nr()
 
-    def __init__(self):
+
+class BackwardStages:
+    """Backward time per forward stage, by the autograd nodes each stage created.
+
+    During the forward, :meth:`add` records that the sequence numbers ``[start, end)`` were
+    handed out while ``stage`` ran; :meth:`hook` then walks the autograd graph back from the
+    output and puts a pre-hook and a hook on every node numbered inside a recorded range of
+    the ``hooked`` stages, which time that node's backward under its stage. ``acc`` holds the
+    seconds since :meth:`reset`. Nodes created outside any range (and the loss, gradient
+    accumulation, engine overhead) are not timed: callers count that residual as ApplyVertex,
+    as they do for the forward. CPU only (no device synchronization)."""
+
+    def __init__(self, hooked=("Scatter", "ApplyEdge", "Gather")):
+        self.hooked = tuple(hooked)
+        self.ranges: list = []
         self.acc = {s: 0.0 for s in STAGES}
 
     def reset(self):
+        self.ranges = []
         self.acc = {s: 0.0 for s in STAGES}
 
+    def add(self, start: int, end: int, stage: str):
+        if stage in self.hooked and end > start:
+            self.ranges.append((start, end, stage))
+
+    def _stage_of(self, seq: int):
+        for start, end, stage in self.ranges:
+            if start <= seq < end:
+                return stage
+        return None
+
+    def hook(self, out) -> int:
+        """Hook the backward of every autograd node behind ``out`` created in a recorded
+        range; returns how many were hooked."""
+        if not self.ranges or getattr(out, "grad_fn", None) is None:
+            return 0
+        lo = min(r[0] for r in self.ranges)
+        hi = max(r[1] for r in self.ranges)
+        # seen: id -> node, holding every visited node (wrappers of C++ autograd nodes are
+        # made on access and freed after, so a bare set of ids would see recycled ids).
+        stack, seen, n = [out.grad_fn], {}, 0
+        while stack:
+            fn = stack.pop()
+            if fn is None or id(fn) in seen:
+                continue
+            seen[id(fn)] = fn
+            seq = fn._sequence_nr()
+            if seq < lo:
+                continue  # created before the first range: nothing older can be in one
+            stack.extend(f for f, _ in fn.next_functions)
+            stage = self._stage_of(seq) if seq < hi else None
+            if stage is not None:
+                self._time(fn, stage)
+                n += 1
+        return n
+
+    def _time(self, fn, stage):
+        t = [0.0]
+
+        def pre(grad_outputs):
+            t[0] = time.perf_counter()
+
+        def post(grad_inputs, grad_outputs):
+            self.acc[stage] += time.perf_counter() - t[0]
+
+        fn.register_prehook(pre)
+        fn.register_hook(post)
+
+
+def split_backward(total: float, attributed: dict) -> dict:
+    """Backward seconds per stage: Scatter, ApplyEdge and Gather as ``attributed``; ApplyVertex
+    the residual ``total - (Scatter + ApplyEdge + Gather)`` (the vertex-side work, the loss,
+    gradient accumulation and autograd overhead), mirroring the forward's convention."""
+    out = {s: float(attributed.get(s, 0.0)) for s in ("Scatter", "ApplyEdge", "Gather")}
+    out["ApplyVertex"] = max(0.0, total - sum(out.values()))
+    return out
+
+
+class StageTimer:
+    """``with timer("Gather"): ...`` adds the block's wall time to that stage and records the
+    autograd nodes it creates in ``timer.backward`` (a :class:`BackwardStages`)."""
+
+    def __init__(self):
+        self.acc = {s: 0.0 for s in STAGES}
+        self.backward = BackwardStages()
+
+    def reset(self):
+        self.acc = {s: 0.0 for s in STAGES}
+        self.backward.reset()
+
     def __call__(self, stage: str):
-        return _Block(self.acc, stage)
+        return _Block(self, stage)
 
     def stages(self, total: float) -> dict:
         out = dict(self.acc)
@@ -74,14 +161,16 @@ class StageTimer:
 
 
 class _Block:
-    def __init__(self, acc, stage):
-        self.acc, self.stage = acc, stage
+    def __init__(self, timer, stage):
+        self.timer, self.stage = timer, stage
 
     def __enter__(self):
+        self.seq = sequence_nr()
         self.t = time.perf_counter()
 
     def __exit__(self, *exc):
-        self.acc[self.stage] += time.perf_counter() - self.t
+        self.timer.acc[self.stage] += time.perf_counter() - self.t
+        self.timer.backward.add(self.seq, sequence_nr(), self.stage)
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -102,10 +191,39 @@ def tiny_subgraph(gd: dict, n: int = 2000) -> dict:
 
 
 # -- the measurement loop ---------------------------------------------------------------------------
+def inference_step(model, forward) -> dict:
+    """One eval-mode forward under ``no_grad``; ``forward()`` returns ``(out, seconds, stages)``."""
+    import torch
+    model.eval()
+    with torch.no_grad():
+        _, fwd, stages = forward()
+    return {"forward": fwd, "stages": stages}
+
+
+def training_step(model, forward, loss_fn, opt, attribution) -> dict:
+    """One train-mode step: ``forward()`` (returns ``(out, seconds, stages)`` and records its
+    stages' autograd nodes in ``attribution``: ``reset()``, ``hook(out)``, ``acc``, as
+    :class:`BackwardStages`), then loss + backward, then ``opt.step()``, each timed. Returns a
+    :func:`measure` run record; the backward's stages come from :func:`split_backward`."""
+    model.train()
+    opt.zero_grad()
+    attribution.reset()
+    out, fwd, stages = forward()
+    attribution.hook(out)  # outside the timed spans: a walk over the autograd graph
+    t0 = time.perf_counter()
+    loss_fn(out).backward()
+    t1 = time.perf_counter()
+    opt.step()
+    t2 = time.perf_counter()
+    return {"forward": fwd, "stages": stages, "backward": t1 - t0,
+            "backward_stages": split_backward(t1 - t0, attribution.acc), "step": t2 - t1}
+
+
 def measure(runner, mode: str, repeats: int, max_seconds: float) -> dict:
     """One warm-up run of ``runner(mode)`` (one inference forward, or one training step), then
-    up to ``repeats`` timed runs; the fastest is kept. ``runner`` returns ``(forward_seconds,
-    stages, backward_seconds)``.
+    up to ``repeats`` timed runs; the fastest (by total) is kept. ``runner`` returns a dict
+    with ``forward`` (seconds), ``stages`` ({stage: seconds} of the forward) and, for a
+    training step, ``backward``, ``backward_stages`` and ``step`` (optimizer) seconds.
 
     The warm-up run's peak memory is the reported peak (see the module docstring); it is not
     timed (first-touch and allocator effects), unless ``max_seconds`` ran out before any timed
@@ -120,9 +238,52 @@ def measure(runner, mode: str, repeats: int, max_seconds: float) -> dict:
         if time.perf_counter() - start > max_seconds:
             break
         runs.append(runner(mode))
-    fwd, stages, bwd = min(runs or [first], key=lambda r: r[0] + r[2])
-    return {"mode": mode, "forward": fwd, "backward": bwd, "total": fwd + bwd, "stages": stages,
-            "peak_bytes": peak, "repeats": len(runs)}
+
+    def total(r):
+        return r["forward"] + r.get("backward", 0.0) + r.get("step", 0.0)
+    best = min(runs or [first], key=total)
+    return {"mode": mode, "forward": best["forward"], "stages": best["stages"],
+            "backward": best.get("backward", 0.0), "backward_stages": best.get("backward_stages"),
+            "step": best.get("step", 0.0), "total": total(best), "peak_bytes": peak,
+            "repeats": len(runs)}
+
+
+# -- the gates' data --------------------------------------------------------------------------------
+def gate_gradients(model, forward, y) -> dict:
+    """``{parameter name: gradient}`` (numpy) of the mean cross-entropy of ``forward()`` over all
+    vertices, in eval mode (no dropout, so every framework computes the same function)."""
+    import torch
+    import torch.nn.functional as F
+    model.eval()
+    model.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        F.cross_entropy(forward(), y).backward()
+    grads = {k: p.grad.detach().numpy().copy() for k, p in model.named_parameters()
+             if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+# -- worker limits ----------------------------------------------------------------------------------
+def limit_memory(gb: float | None) -> None:
+    """Cap the process's data segment (heap and anonymous mmaps, RLIMIT_DATA) at ``gb`` GiB, so
+    that a configuration that does not fit fails with an allocation error instead of pushing a
+    shared machine into swap or the OOM killer."""
+    if not gb:
+        return
+    import resource
+    lim = int(gb * (1 << 30))
+    resource.setrlimit(resource.RLIMIT_DATA, (lim, lim))
+
+
+def is_oom(e: BaseException) -> bool:
+    text = str(e).lower()
+    return isinstance(e, MemoryError) or "alloc" in text or "memory" in text
+
+
+def mark_start(path, framework: str, model: str) -> None:
+    """Progress marker for the driver's watchdog: ``model`` has started (its time counts)."""
+    append_jsonl(path, {"event": "start", "framework": framework, "model": model})
 
 
 def append_jsonl(path, record: dict) -> None:

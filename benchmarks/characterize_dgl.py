@@ -2,11 +2,14 @@
 
     DGLBACKEND=pytorch .venv-dgl/bin/python benchmarks/characterize_dgl.py SPEC.json
 
-``SPEC.json``: ``{"task": "gate" | "time", "data_dir", "models", "modes", "repeats",
-"max_seconds", "out"}``. It reads the graph (``graph.npz``) and each model's weights
-(``weights_<model>.npz``, ngra's ``state_dict`` names, which the models below share) written by
-``characterize.py``. ``gate`` writes ``<out>/dgl_<model>.npy`` (eval-mode output); ``time``
-appends one JSON line per model and mode to ``out`` (see ``characterize_common.measure``).
+``SPEC.json``: ``{"task": "gate", "data_dir", "items": [[model, "dgl"], ...], "out",
+"mem_limit_gb"}`` or ``{"task": "time", "data_dir", "plan": [[model, [modes]], ...], "repeats",
+"max_seconds", "out", "mem_limit_gb"}``. It reads the graph (``graph.npz``) and each model's
+weights (``weights_<model>.npz``, ngra's ``state_dict`` names, which the models below share)
+written by ``characterize.py``. ``gate`` writes ``<out>/dgl_<model>.npy`` (eval-mode output)
+and ``<out>/dgl_<model>_grad.npz`` (parameter gradients), or ``.skipped`` files saying what did
+not fit in memory; ``time`` appends a start marker and one JSON line per model and mode to
+``out`` (see ``characterize_common.measure``).
 
 The models are written with DGL's message-passing API (``apply_edges``, ``update_all`` with
 built-in functions, ``edge_softmax``), as DGL's own layers are, so that each stage can be timed:
@@ -18,6 +21,11 @@ built-in functions, ``edge_softmax``), as DGL's own layers are, so that each sta
   ``W x d^-1/2`` counts as Scatter (ngra's ``scatter()``).
 - Everything else (degrees, activations, dropout, MLPs, GRU, root/skip terms) is ApplyVertex,
   as the residual of the forward total.
+
+Backward: every stage block also records the sequence numbers of the autograd nodes it creates
+(``StageTimer.backward``), whose backward is then timed under that stage, as for ngra and PyG
+(``characterize_common.BackwardStages``); DGL's own kernels (``GSpMM``, ``GSDDMM``,
+``EdgeSoftmax``) are ordinary autograd Functions, so this works without changes to DGL.
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ import dgl.function as fn  # noqa: E402
 from dgl.nn.functional import edge_softmax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from characterize_common import StageTimer, append_jsonl, load_graph, measure, tiny_subgraph  # noqa: E402
+from characterize_common import (StageTimer, append_jsonl, gate_gradients, inference_step,  # noqa: E402
+                                 is_oom, limit_memory, load_graph, mark_start, measure,
+                                 tiny_subgraph, training_step)
 
 HIDDEN, GAT_HIDDEN, GAT_HEADS, NUM_LAYERS, NUM_RELATIONS = 16, 8, 8, 2, 4
 
@@ -262,55 +272,96 @@ def graphs(gd):
 
 
 def make_runner(model, gd):
+    """``(run(mode) -> run record, forward() -> output)`` on graph ``gd``."""
     G = graphs(gd)
     x = torch.from_numpy(gd["x"])
     y = torch.from_numpy(gd["y"])
     T = StageTimer()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
 
-    def run(mode):
+    def forward():
         T.reset()
-        if mode == "inference":
-            model.eval()
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                model(G, x, T)
-                fwd = time.perf_counter() - t0
-            return fwd, T.stages(fwd), 0.0
-        model.train()
-        opt.zero_grad()
         t0 = time.perf_counter()
         out = model(G, x, T)
         fwd = time.perf_counter() - t0
-        stages = T.stages(fwd)
-        t1 = time.perf_counter()
-        F.cross_entropy(out, y).backward()
-        opt.step()
-        return fwd, stages, time.perf_counter() - t1
-    return run
+        return out, fwd, T.stages(fwd)
+
+    def run(mode):
+        if mode == "inference":
+            return inference_step(model, forward)
+        # forward() resets T (and its backward ranges) after training_step's reset.
+        return training_step(model, forward, lambda out: F.cross_entropy(out, y), opt, T.backward)
+    return run, lambda: model(G, x, StageTimer())
+
+
+def _oom_reason(spec, e):
+    return f"skipped: out of memory under the {spec.get('mem_limit_gb')} GB limit ({e})"[:300]
+
+
+def gate_one(spec, name, gd, weights_path):
+    out_dir = Path(spec["out"])
+    model = build(name, gd["x"].shape[1], gd["num_classes"])
+    load_weights(model, weights_path)
+    _, forward = make_runner(model, gd)
+    got = {}
+
+    def eval_forward():
+        got["out"] = forward()
+        return got["out"]
+    try:
+        grads = gate_gradients(model, eval_forward, torch.from_numpy(gd["y"]))
+        np.savez(out_dir / f"dgl_{name}_grad.npz", **grads)
+    except Exception as e:  # noqa: BLE001 - recorded as skipped, never hidden
+        if not is_oom(e):
+            raise
+        (out_dir / f"dgl_{name}_grad.skipped").write_text(_oom_reason(spec, e))
+    if "out" in got:
+        np.save(out_dir / f"dgl_{name}.npy", got.pop("out").detach().numpy())
+        return
+    try:
+        model.eval()
+        with torch.no_grad():
+            np.save(out_dir / f"dgl_{name}.npy", forward().numpy())
+    except Exception as e:  # noqa: BLE001
+        if not is_oom(e):
+            raise
+        (out_dir / f"dgl_{name}.skipped").write_text(_oom_reason(spec, e))
 
 
 def main(spec_path):
     spec = json.loads(Path(spec_path).read_text())
+    limit_memory(spec.get("mem_limit_gb"))
     gd = load_graph(spec["data_dir"])
+    data_dir = Path(spec["data_dir"])
+    if spec["task"] == "gate":
+        for name, _ in spec["items"]:
+            gate_one(spec, name, gd, data_dir / f"weights_{name}.npz")
+        return
     in_dim, out_dim = gd["x"].shape[1], gd["num_classes"]
-    for name in spec["models"]:
-        model = build(name, in_dim, out_dim)
-        load_weights(model, Path(spec["data_dir"]) / f"weights_{name}.npz")
-        if spec["task"] == "gate":
-            model.eval()
-            with torch.no_grad():
-                out = model(graphs(gd), torch.from_numpy(gd["x"]), StageTimer())
-            np.save(Path(spec["out"]) / f"dgl_{name}.npy", out.numpy())
-            continue
-        warm = make_runner(model, tiny_subgraph(gd))
-        for mode in spec["modes"]:
-            warm(mode)
-        run = make_runner(model, gd)
-        for mode in spec["modes"]:
-            rec = measure(run, mode, spec["repeats"], spec["max_seconds"])
-            append_jsonl(spec["out"], {"framework": "dgl", "model": name, **rec})
-        del run, model
+    for name, modes in spec["plan"]:
+        mark_start(spec["out"], "dgl", name)
+        done = set()
+        try:
+            model = build(name, in_dim, out_dim)
+            load_weights(model, data_dir / f"weights_{name}.npz")
+            warm, _ = make_runner(model, tiny_subgraph(gd))
+            for mode in modes:
+                warm(mode)
+            del warm
+            load_weights(model, data_dir / f"weights_{name}.npz")  # undo the warm-up's steps
+            run, _ = make_runner(model, gd)
+            for mode in modes:
+                rec = measure(run, mode, spec["repeats"], spec["max_seconds"])
+                append_jsonl(spec["out"], {"framework": "dgl", "model": name, **rec})
+                done.add(mode)
+            del run, model
+        except Exception as e:  # noqa: BLE001 - recorded as a skipped row, never hidden
+            if not is_oom(e):
+                raise
+            for mode in modes:
+                if mode not in done:
+                    append_jsonl(spec["out"], {"framework": "dgl", "model": name, "mode": mode,
+                                               "status": _oom_reason(spec, e)})
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 - :func:`build_ngra` / :func:`build_pyg`: the same model in ngra and in PyG, with identical
   ``state_dict`` keys, so one ``.npz`` of weights loads into both (and into the DGL models of
   ``characterize_dgl.py``, which use the same names).
-- :class:`PygStageTimer`: per-SAGA-stage timing of PyG ``MessagePassing`` layers through PyG's hooks.
+- :class:`PygStageTimer`: per-SAGA-stage timing of PyG ``MessagePassing`` layers through PyG's
+  hooks, forward and (by the autograd nodes each stage creates) backward.
 - :func:`estimate`: the analytic FLOPs / bytes model per SAGA stage (documented there).
 
 This file runs in the main environment (torch 2.13, PyG 2.8); the DGL side lives in
@@ -18,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-STAGES = ("Scatter", "ApplyEdge", "Gather", "ApplyVertex")
+from characterize_common import STAGES, BackwardStages, sequence_nr
 
 # benchmark name -> (ngra build_model name, label in tables and figures)
 MODELS = {
@@ -149,12 +150,17 @@ class PygStageTimer:
     - Gather: ``aggregate`` (scatter-sum/mean);
     - ApplyVertex: ``update`` and, as the residual of the forward total, everything outside
       ``propagate`` (the layers' linear transforms, activations, dropout, GRU, MLPs).
+
+    ``backward`` (a :class:`BackwardStages`) gets the sequence-number range of every segment,
+    so the backward of the autograd nodes a stage created is timed under that stage.
     """
 
     def __init__(self, model: torch.nn.Module):
         from torch_geometric.nn import MessagePassing
         self.acc = {s: 0.0 for s in STAGES}
+        self.backward = BackwardStages()
         self._t = 0.0
+        self._seq = 0
         self._handles = []
         for m in model.modules():
             if isinstance(m, MessagePassing):
@@ -162,9 +168,11 @@ class PygStageTimer:
 
     def _mark(self, stage=None):
         now = time.perf_counter()
+        seq = sequence_nr()
         if stage is not None:
             self.acc[stage] += now - self._t
-        self._t = now
+            self.backward.add(self._seq, seq, stage)
+        self._t, self._seq = now, seq
 
     def _hook(self, m):
         reg = [
@@ -190,6 +198,7 @@ class PygStageTimer:
 
     def reset(self):
         self.acc = {s: 0.0 for s in STAGES}
+        self.backward.reset()
 
     def stages(self, total: float) -> dict:
         """Per-stage seconds of the last forward(s) since :meth:`reset`, with the residual
@@ -234,8 +243,9 @@ def estimate(name: str, N: int, E: int, in_dim: int, out_dim: int) -> dict:
     ``E F`` FLOPs, ``E (4 F + 8) + 4 N F`` bytes. Placement follows the ngra layers' SAGA
     programs: vertex-side transforms of source features (GCN's ``W x`` in Scatter, GAT's and
     G-GCN's lifted projections in ApplyEdge), everything after the reduction in ApplyVertex.
-    GCN and GAT add one self loop per vertex (E + N edges). The training step's backward is
-    about twice the forward and is not broken down by stage.
+    GCN and GAT add one self loop per vertex (E + N edges). The backward of each stage is
+    estimated as twice its forward (the usual rule: a gradient for the input and one for the
+    weights).
     """
     out = {s: [0.0, 0.0] for s in STAGES}
 

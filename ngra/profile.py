@@ -153,13 +153,16 @@ def created_between(value, start: int, end: int) -> list:
     ``[start, end)``: those created on this thread while the sequence counter went from
     ``start`` to ``end``. The walk stops at older nodes, so it only visits the new ones and
     their direct inputs."""
-    found, seen = [], set()
+    found = []
+    # id -> node, holding every visited node: Python wrappers of C++ autograd nodes are made on
+    # access and freed after, so a bare set of ids would see a recycled id as visited.
+    seen = {}
     stack = [t.grad_fn for t in _tensors(value) if t.grad_fn is not None]
     while stack:
         fn = stack.pop()
         if fn is None or id(fn) in seen:
             continue
-        seen.add(id(fn))
+        seen[id(fn)] = fn
         if not start <= fn._sequence_nr() < end:
             continue  # older work (or a leaf's AccumulateGrad, numbered past every op)
         found.append(fn)
