@@ -61,9 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--data-dir", metavar="DIR",
                    help="folder with planetoid/, npz/, ogb/ (default: $NGRA_DATASETS or "
                         "~/.cache/ngra/datasets); not needed for sbm, karate")
-    t.add_argument("--dataset-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="argument for the dataset loader or generator, e.g. num_nodes=100000 for sbm "
-                        "(repeatable; see ngra.datasets.load)")
+    dataset_option = dict(action="append", default=[], metavar="KEY=VALUE",
+                          help="argument for the dataset loader or generator, e.g. num_nodes=100000 "
+                               "for sbm (repeatable; see ngra.datasets.load)")
+    t.add_argument("--dataset-option", **dataset_option)
     t.add_argument("--epochs", type=int, help="maximum number of epochs")
     t.add_argument("--hidden", type=int, help="hidden width (gat: per head)")
     t.add_argument("--heads", type=int, help="attention heads (gat)")
@@ -101,17 +102,19 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="print statistics of a dataset")
     i.add_argument("--dataset", required=True, metavar="NAME", help=f"one of: {', '.join(available())}")
     i.add_argument("--data-dir", metavar="DIR", help="as for train")
+    i.add_argument("--dataset-option", **{**dataset_option, "help": "as for train, e.g. scale=16 and "
+                                                                   "num_edges=1000000 for rmat"})
     i.add_argument("--json", action="store_true", help="print the statistics as JSON")
     i.set_defaults(handler=_info)
     return p
 
 
 def _train(args) -> int:
-    from .train import TrainConfig, fit, setup
+    from .train import TrainConfig, fit, record_run, setup
 
     config = TrainConfig(
         model=args.model, dataset=args.dataset, data_dir=args.data_dir,
-        dataset_options=_options(args.dataset_option), epochs=args.epochs,
+        dataset_options=_options(args.dataset_option, "train"), epochs=args.epochs,
         hidden=args.hidden, heads=args.heads, num_layers=args.num_layers, dropout=args.dropout,
         lr=args.lr, weight_decay=args.weight_decay, weight_decay_on=args.weight_decay_on,
         patience=args.patience, selection=args.selection, seed=args.seed, device=args.device,
@@ -140,8 +143,7 @@ def _train(args) -> int:
         if isinstance(e, ConfigError):  # e.g. a checkpoint written for other settings
             raise _user("train", str(e)) from e
         raise
-    result.info.update(device=config.device, memory_budget=config.memory_budget,
-                       num_chunks=config.num_chunks)
+    record_run(result, config, engine_ctx)
     if metrics_path is not None:
         tmp = metrics_path.with_name(f".{metrics_path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
@@ -150,13 +152,13 @@ def _train(args) -> int:
     return 0
 
 
-def _options(items: list[str]) -> dict | None:
+def _options(items: list[str], command: str) -> dict | None:
     """``["num_nodes=1000", "homophily=0.9", "features=degree"]`` -> a dict of int/float/str."""
     out = {}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key.isidentifier():
-            raise _user("train", f"--dataset-option expects KEY=VALUE (got {item!r}), e.g. "
+            raise _user(command, f"--dataset-option expects KEY=VALUE (got {item!r}), e.g. "
                                  "--dataset-option num_nodes=100000")
         for convert in (int, float):
             try:
@@ -174,7 +176,8 @@ def _info(args) -> int:
 
     try:
         # The same loading path as training; raw features, so the numbers describe the files.
-        data = load_dataset(args.dataset, args.data_dir, normalize_features=False)
+        data = load_dataset(args.dataset, args.data_dir, normalize_features=False,
+                            options=_options(args.dataset_option, "info"))
     except (ValueError, TypeError, OSError) as e:
         raise _user("info", str(e)) from e
     stats = data.stats()

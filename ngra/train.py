@@ -105,6 +105,8 @@ MODEL_DEFAULTS: dict[str, HParams] = {
 # Amazon and Coauthor features are used raw, as in Shchur et al.'s benchmark (their
 # normalize_features is off), and so are generated and OGB features.
 _ROW_NORMALIZED = ("cora", "citeseer", "pubmed")
+# Generators of graphs without features or labels: name -> why training refuses them.
+_GRAPH_ONLY = {"rmat": "R-MAT generates edges only, without vertex features, labels or a split"}
 
 
 # -- config -----------------------------------------------------------------------------------
@@ -187,12 +189,18 @@ class TrainConfig:
                               f"{hp.selection!r})")
         return hp
 
-    def validate(self) -> HParams:
-        """Check every setting that needs no files; returns :meth:`hparams`."""
+    def validate(self, *, with_data: bool = False) -> HParams:
+        """Check every setting that needs no files; returns :meth:`hparams`.
+
+        ``with_data=True``: the dataset record is given (``run(config, data=...)``), so
+        ``dataset`` only names it and may be any string."""
         from .datasets import available
 
         hp = self.hparams()
-        if not isinstance(self.dataset, str) or self.dataset.lower() not in available():
+        if not isinstance(self.dataset, str) or not self.dataset:
+            raise ConfigError(f"dataset must be a name (got {self.dataset!r}); choose one of "
+                              f"{', '.join(available())}")
+        if not with_data and self.dataset.lower() not in available():
             raise ConfigError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(available())}")
         _check_int("seed", self.seed, 0, "give a non-negative integer seed such as --seed 0")
         _check_int("checkpoint_every", self.checkpoint_every, 1, "checkpoint every N >= 1 epochs")
@@ -795,7 +803,13 @@ def setup(config: TrainConfig, *, data=None):
     (unless ``data``, a dataset record, is given: then ``config.dataset`` only names it), build
     the model. Returns ``(model, data, fit_kwargs, engine_context)``. Every user error raises
     :class:`ConfigError`."""
-    hp = config.validate()
+    hp = config.validate(with_data=data is not None)
+    if data is None and config.dataset.lower() in _GRAPH_ONLY:
+        # Refused before loading: generating the graph would only end in the refusal below.
+        raise ConfigError(f"dataset {config.dataset!r} cannot be trained on: "
+                          f"{_GRAPH_ONLY[config.dataset.lower()]}. Train on a labelled dataset such "
+                          "as sbm (a generated graph with learnable labels, any size); use R-MAT for "
+                          "benchmarks and `ngra info`")
     if config.checkpoint is not None:
         check_checkpoint_dir(config.checkpoint, resume=config.resume)
     engine_ctx = _engine_context(config)
@@ -805,9 +819,15 @@ def setup(config: TrainConfig, *, data=None):
             normalized = config.dataset.lower() in _ROW_NORMALIZED
         data = load_dataset(config.dataset, config.data_dir, seed=config.seed,
                             normalize_features=config.normalize_features, options=config.dataset_options)
-    if data.y is None or data.train_mask is None:
-        raise ConfigError(f"dataset {config.dataset!r} has no labels or no training split; "
-                          "choose a labelled dataset (see `ngra info --dataset NAME`)")
+    missing = [what for attr, what in (("x", "vertex features (x)"), ("y", "labels (y)"),
+                                       ("train_mask", "training split (train_mask)"))
+               if getattr(data, attr, None) is None]
+    if missing:
+        raise ConfigError(
+            f"dataset {config.dataset!r} has no {' and no '.join(missing)}; training needs features "
+            "x [N, F], labels y [N] and a train_mask. Choose a dataset that has them (see `ngra info "
+            "--dataset NAME`), or build an ngra.datasets.Dataset with them and pass it as "
+            "run(config, data=...)")
     if hp.patience is not None and (data.val_mask is None or not bool(data.val_mask.any())):
         raise ConfigError(f"dataset {config.dataset!r} has no validation vertices, so early stopping "
                           f"(patience={hp.patience}) cannot work; pass --patience 0")
@@ -820,9 +840,11 @@ def setup(config: TrainConfig, *, data=None):
         # the user's setting to fix, so find out now rather than inside the first epoch.
         flag = (f"--num-chunks {config.num_chunks}" if config.num_chunks is not None
                 else f"--memory-budget {config.memory_budget}")
+        # Data errors (an empty training split, ...) are raised here, not blamed on the engine.
+        prepared = _prepare_data(data, device)
         try:
             with engine_ctx:
-                compile_model(model, data, forward_kwargs=kwargs)
+                compile_model(model, prepared, forward_kwargs=kwargs)
         except ValueError as e:
             raise ConfigError(f"the streaming engine cannot run {config.model} on {config.dataset} "
                               f"with {flag}: {e}") from e
@@ -851,6 +873,16 @@ def run(config: TrainConfig, *, data=None,
     model, data, fit_kwargs, engine_ctx = setup(config, data=data)
     with engine_ctx:
         result = fit(model, data, on_epoch=on_epoch, **fit_kwargs)
+    record_run(result, config, engine_ctx)
+    return result
+
+
+def record_run(result: TrainResult, config: TrainConfig, engine_ctx) -> None:
+    """Add the run's device and streaming settings to ``result.info``; for a streamed run also
+    ``info["streamed"]``: what the engine really did in its last streamed call
+    (``num_intervals`` P, non-empty ``chunks``, ``passes``, vertex ``ordering``)."""
     result.info.update(device=config.device, memory_budget=config.memory_budget,
                        num_chunks=config.num_chunks)
-    return result
+    last_run = getattr(engine_ctx, "last_run", None)
+    if last_run:
+        result.info["streamed"] = dict(last_run)

@@ -40,19 +40,21 @@ def _ogb(name, root, *, split: str | None = None):
     return read_ogb_node(root / "ogb" / folder, name=name, add_inverse_edge=add_inverse_edge, split=split)
 
 
-def _keywords(fn) -> list[str]:
+def _keywords(fn, *, required: bool = False) -> list[str]:
+    """Option names ``fn`` accepts (``required=True``: those without a default)."""
     return [p for p, v in inspect.signature(fn).parameters.items()
-            if v.kind in (v.KEYWORD_ONLY, v.POSITIONAL_OR_KEYWORD) and p not in ("name", "root")]
+            if v.kind in (v.KEYWORD_ONLY, v.POSITIONAL_OR_KEYWORD) and p not in ("name", "root")
+            and (not required or v.default is inspect.Parameter.empty)]
 
 
-# name -> (loader(name, root, **options), accepted option names)
+# name -> (loader(name, root, **options), the function whose keywords are the options)
 _LOADERS = {
-    **{n: (_planetoid, []) for n in PLANETOID_NAMES},
-    **{n: (_npz, _keywords(_npz)) for n in NPZ_FILES},
-    **{n: (_ogb, _keywords(_ogb)) for n in OGB_NODE},
-    "sbm": (lambda name, root, **kw: sbm(**kw), _keywords(sbm)),
-    "karate": (lambda name, root, **kw: karate(**kw), _keywords(karate)),
-    "rmat": (lambda name, root, **kw: Dataset("rmat", rmat(**kw)), _keywords(rmat)),
+    **{n: (_planetoid, _planetoid) for n in PLANETOID_NAMES},
+    **{n: (_npz, _npz) for n in NPZ_FILES},
+    **{n: (_ogb, _ogb) for n in OGB_NODE},
+    "sbm": (lambda name, root, **kw: sbm(**kw), sbm),
+    "karate": (lambda name, root, **kw: karate(**kw), karate),
+    "rmat": (lambda name, root, **kw: Dataset("rmat", rmat(**kw)), rmat),
 }
 _FILE_BASED = {*PLANETOID_NAMES, *NPZ_FILES, *OGB_NODE}
 _download = download  # load() has a parameter of the same name
@@ -85,10 +87,16 @@ def load(name: str, root=None, *, download: bool = False, normalize_features: bo
     key = name.lower() if isinstance(name, str) else name
     if key not in _LOADERS:
         raise ValueError(f"unknown dataset {name!r}; available: {', '.join(available())}")
-    loader, accepted = _LOADERS[key]
+    loader, signature = _LOADERS[key]
+    accepted = _keywords(signature)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise TypeError(f"load({name!r}) got unknown option(s) {unknown}; it accepts {accepted or 'none'}")
+    needed = [k for k in _keywords(signature, required=True) if k not in options]
+    if needed:
+        example = ", ".join(f"{k}=..." for k in needed)
+        raise TypeError(f"load({name!r}) needs the option(s) {needed}, e.g. load({name!r}, {example}) "
+                        f"(on the command line: {' '.join(f'--dataset-option {k}=...' for k in needed)})")
     root = Path(root) if root is not None else default_root()
     if download and key in _FILE_BASED:
         _download(key, root)

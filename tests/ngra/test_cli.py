@@ -92,6 +92,12 @@ def test_bad_train_input_exits_2_with_one_line(args, message, capsys):
     (["train", "--dataset", "sbm"], "the following arguments are required: --model"),
     (["info", "--dataset", "corra"], "unknown dataset 'corra'"),
     (["info", "--dataset", "cora", "--data-dir", "/nonexistent/data"], "data directory '/nonexistent/data'"),
+    (["train", "--model", "gcn", "--dataset", "rmat"],
+     "ngra train: error: dataset 'rmat' cannot be trained on: R-MAT generates edges only, without vertex "
+     "features, labels or a split. Train on a labelled dataset such as sbm"),
+    (["info", "--dataset", "rmat"], "ngra info: error: load('rmat') needs the option(s) ['num_edges'], e.g. "
+                                    "load('rmat', num_edges=...) (on the command line: --dataset-option num_edges=...)"),
+    (["info", "--dataset", "karate", "--dataset-option", "oops"], "ngra info: error: --dataset-option expects KEY=VALUE"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: COMMAND"),
 ])
@@ -117,7 +123,8 @@ def test_streaming_flags(tmp_path, capsys):
         return
     out = tmp_path / "m.json"
     assert train("--epochs", "2", "--num-chunks", "2", "--metrics-json", str(out)) == 0
-    assert json.loads(out.read_text())["info"]["num_chunks"] == 2
+    info = json.loads(out.read_text())["info"]
+    assert info["num_chunks"] == 2 and info["streamed"]["num_intervals"] == 2
     assert train("--epochs", "2", "--memory-budget", "1B") == 2
     err = capsys.readouterr().err
     assert "streaming engine cannot run gcn on sbm with --memory-budget 1B" in err and err.count("\n") == 1
@@ -130,6 +137,13 @@ def test_info_prints_statistics(capsys):
     assert main(["info", "--dataset", "karate", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["num_nodes"] == 34 and stats["num_edges"] == 156 and stats["num_classes"] == 2
+
+
+def test_info_takes_dataset_options(capsys):
+    assert main(["info", "--dataset", "rmat", "--dataset-option", "scale=5", "--dataset-option", "num_edges=100",
+                 "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert (stats["name"], stats["num_nodes"], stats["num_edges"], stats["num_classes"]) == ("rmat", 32, 100, 0)
 
 
 def test_python_dash_m_runs_the_same_command_line():

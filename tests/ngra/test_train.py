@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -348,9 +349,42 @@ def test_missing_data_dir(tmp_path):
 
 
 def test_unlabelled_dataset_is_refused():
-    with pytest.raises(ConfigError, match=r"dataset 'rmat' has no labels"):
-        run(TrainConfig(model="gcn", dataset="rmat", dataset_options={"scale": 4, "num_edges": 20},
-                        progress=False))
+    # R-MAT and edge lists: tests/ngra/test_train_loaders.py.
+    karate = datasets.load("karate")
+    unlabelled = dataclasses.replace(karate, y=None, train_mask=None, val_mask=None, test_mask=None)
+    with pytest.raises(ConfigError, match=r"dataset 'karate' has no labels \(y\) and no training split "
+                                          r"\(train_mask\); training needs features x \[N, F\], labels y"):
+        run(TrainConfig(model="gcn", dataset="karate", progress=False), data=unlabelled)
+
+
+@pytest.mark.parametrize("num_chunks", [None, 2])
+def test_empty_training_split_is_a_data_error(num_chunks):
+    # Streamed, the data is checked before the engine's first call: the error must not blame it.
+    data = datasets.load("sbm", **SMALL_SBM)
+    data = dataclasses.replace(data, train_mask=torch.zeros_like(data.train_mask))
+    with pytest.raises(ConfigError, match=r"^dataset 'sbm' has an empty training split; nothing to train on$"):
+        run(small_config(num_chunks=num_chunks), data=data)
+
+
+def test_run_takes_a_dataset_record_under_any_name():
+    data = datasets.load("sbm", **SMALL_SBM)
+    res = run(TrainConfig(model="gcn", dataset="my-graph", epochs=3, progress=False), data=data)
+    assert res.epochs_run == 3 and res.info["dataset"] == "my-graph"
+    with pytest.raises(ConfigError, match=r"unknown dataset 'my-graph'; choose one of cora"):
+        run(TrainConfig(model="gcn", dataset="my-graph", epochs=3, progress=False))
+    with pytest.raises(ConfigError, match=r"dataset must be a name \(got ''\)"):
+        run(TrainConfig(model="gcn", dataset="", epochs=3, progress=False), data=data)
+
+
+def test_streamed_run_reports_what_the_engine_did():
+    if getattr(ngra, "Engine", None) is None:
+        pytest.skip("ngra.Engine (the streaming engine) does not exist yet")
+    assert "streamed" not in run(small_config(epochs=2)).info
+    res = run(small_config(epochs=2, num_chunks=3))
+    assert res.info["streamed"] == {"num_intervals": 3, "chunks": 9, "passes": 1, "ordering": "identity"}
+    # A budget chooses P; the record says which (smaller budgets, more intervals).
+    p = [run(small_config(epochs=1, memory_budget=b)).info["streamed"]["num_intervals"] for b in ("16KiB", "4KiB")]
+    assert 1 < p[0] < p[1], p
 
 
 def test_patience_without_validation_is_refused():

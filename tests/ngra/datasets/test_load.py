@@ -44,6 +44,13 @@ def test_errors(tmp_path):
         D.load("amazon-photo", split="x")
 
 
+def test_missing_required_option():
+    with pytest.raises(TypeError, match=r"load\('rmat'\) needs the option\(s\) \['num_edges'\], e\.g\. "
+                                        r"load\('rmat', num_edges=\.\.\.\) \(on the command line: "
+                                        r"--dataset-option num_edges=\.\.\.\)"):
+        D.load("rmat", scale=4)
+
+
 def test_default_root(monkeypatch, tmp_path):
     monkeypatch.setenv("NGRA_DATASETS", str(tmp_path))
     assert D.default_root() == tmp_path

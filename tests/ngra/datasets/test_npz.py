@@ -2,34 +2,11 @@
 
 import numpy as np
 import pytest
-import scipy.sparse as sp
 import torch
 
 from ngra.datasets import load
 from ngra.datasets.npz import read_npz
-
-
-def write_npz(path, adj, attr, labels, **extra):
-    adj, attr = sp.csr_matrix(adj), sp.csr_matrix(attr)
-    arrays = dict(adj_data=adj.data, adj_indices=adj.indices, adj_indptr=adj.indptr, adj_shape=np.array(adj.shape),
-                  attr_data=attr.data, attr_indices=attr.indices, attr_indptr=attr.indptr,
-                  attr_shape=np.array(attr.shape), labels=np.asarray(labels),
-                  class_names=np.array([f"c{i}" for i in range(int(np.max(labels)) + 1)]))
-    arrays.update(extra)
-    arrays = {k: v for k, v in arrays.items() if v is not None}
-    np.savez(path, **arrays)
-    return path
-
-
-def synthetic(tmp_path, n=200, c=3, seed=0):
-    rng = np.random.default_rng(seed)
-    adj = sp.random(n, n, density=0.03, random_state=seed, format="csr")
-    adj.data[:] = 1
-    adj.setdiag(0)
-    adj[0, 0] = 1  # one self-loop, dropped by the loader
-    attr = (rng.random((n, 7)) < 0.3).astype(np.float32)
-    labels = np.arange(n) % c  # every class has >= 50 vertices
-    return write_npz(tmp_path / "toy.npz", adj, attr, labels), adj, attr, labels
+from tests.ngra.datasets.dataset_files import npz_like, write_npz
 
 
 def test_amazon_computers(shared_datasets):
@@ -48,7 +25,7 @@ def test_coauthor_cs(shared_datasets):
 
 
 def test_synthetic_against_scipy_reference(tmp_path):
-    path, adj, attr, labels = synthetic(tmp_path)
+    path, adj, attr, labels = npz_like(tmp_path / "toy.npz")
     ds = read_npz(path, name="toy", seed=5)
     assert torch.equal(ds.x, torch.from_numpy(attr))
     assert ds.y.tolist() == labels.tolist() and ds.num_classes == 3
@@ -68,7 +45,7 @@ def test_synthetic_against_scipy_reference(tmp_path):
 
 
 def test_dense_attr_matrix_layout(tmp_path):
-    _, adj, attr, labels = synthetic(tmp_path)
+    _, adj, attr, labels = npz_like(tmp_path / "toy.npz")
     path = write_npz(tmp_path / "dense.npz", adj, attr, labels)
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files if not k.startswith("attr_")}
@@ -96,14 +73,14 @@ def _rewrite(path, **changes):
     (dict(adj_shape=np.array([200.0, 200.0])), r"toy\.npz: adj_shape must be two integers"),
 ])
 def test_malformed(tmp_path, change, match):
-    path, *_ = synthetic(tmp_path)
+    path, *_ = npz_like(tmp_path / "toy.npz")
     _rewrite(path, **change)
     with pytest.raises(ValueError, match=match):
         read_npz(path)
 
 
 def test_malformed_csr_contents(tmp_path):
-    path, *_ = synthetic(tmp_path)
+    path, *_ = npz_like(tmp_path / "toy.npz")
     with np.load(path) as z:
         indices = z["adj_indices"].copy()
     indices[3] = 250
@@ -113,7 +90,7 @@ def test_malformed_csr_contents(tmp_path):
 
 
 def test_truncated_and_not_npz(tmp_path):
-    path, *_ = synthetic(tmp_path)
+    path, *_ = npz_like(tmp_path / "toy.npz")
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ValueError, match=r"toy\.npz: .*(truncated or corrupt\?)"):
         read_npz(path)
@@ -124,7 +101,7 @@ def test_truncated_and_not_npz(tmp_path):
 
 
 def test_class_too_small_for_split(tmp_path):
-    _, adj, attr, labels = synthetic(tmp_path)
+    _, adj, attr, labels = npz_like(tmp_path / "toy.npz")
     labels = labels.copy()
     labels[labels == 2] = 1
     labels[:10] = 2  # class 2 now has 10 vertices

@@ -1,35 +1,11 @@
 """OGB node-property raw layout and plain edge lists, on small files written in the real formats."""
 
-import gzip
-
-import numpy as np
 import pytest
 import torch
 
 from ngra.datasets import load, read_edge_list
 from ngra.datasets.ogb import read_ogb_node
-
-
-def gz(path, lines):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(path, "wt") as f:
-        f.write("".join(line + "\n" for line in lines))
-
-
-def write_ogb(directory, *, n=12, edges=((0, 1), (1, 2), (2, 0), (3, 4), (4, 4), (0, 1)), f=3,
-              labels=None, split="time", splits=None):
-    rng = np.random.default_rng(0)
-    feat = rng.standard_normal((n, f)).astype(np.float32)
-    labels = [str(i % 4) for i in range(n)] if labels is None else labels
-    splits = splits or {"train": range(0, 6), "valid": range(6, 9), "test": range(9, 12)}
-    gz(directory / "raw" / "edge.csv.gz", [f"{u},{v}" for u, v in edges])
-    gz(directory / "raw" / "num-node-list.csv.gz", [str(n)])
-    gz(directory / "raw" / "num-edge-list.csv.gz", [str(len(edges))])
-    gz(directory / "raw" / "node-feat.csv.gz", [",".join(repr(float(v)) for v in row) for row in feat])
-    gz(directory / "raw" / "node-label.csv.gz", labels)
-    for part, ids in splits.items():
-        gz(directory / "split" / split / f"{part}.csv.gz", [str(i) for i in ids])
-    return feat
+from tests.ngra.datasets.dataset_files import gz, write_ogb
 
 
 def test_ogbn_arxiv_layout(tmp_path):

@@ -3,7 +3,6 @@
 import os
 import pickle
 import warnings
-from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -12,49 +11,7 @@ import torch
 
 from ngra.datasets import load
 from ngra.datasets.planetoid import read_planetoid
-
-N_TRAIN = 10
-
-
-def write_planetoid(directory, name, *, allx, ally, tx, ty, test_index, graph, n_train=N_TRAIN):
-    """Write the eight files exactly as Planetoid ships them (protocol-2 pickles + a text index)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    parts = {"x": sp.csr_matrix(allx[:n_train]), "y": ally[:n_train], "tx": sp.csr_matrix(tx), "ty": ty,
-             "allx": sp.csr_matrix(allx), "ally": ally, "graph": graph}
-    for part, obj in parts.items():
-        with open(directory / f"ind.{name}.{part}", "wb") as f:
-            pickle.dump(obj, f, protocol=2)
-    (directory / f"ind.{name}.test.index").write_text("".join(f"{i}\n" for i in test_index))
-
-
-def onehot(labels, c):
-    out = np.zeros((len(labels), c), dtype=np.int32)
-    for i, lab in enumerate(labels):
-        if lab >= 0:
-            out[i, lab] = 1
-    return out
-
-
-def synthetic(tmp_path, name="citeseer", gaps=(523, 530, 531), seed=0):
-    """N = 540 vertices: 520 in allx, test ids 520..539 minus ``gaps`` (CiteSeer-style holes)."""
-    rng = np.random.default_rng(seed)
-    n_all, n, f, c = 520, 540, 6, 3
-    test_ids = np.array([i for i in range(n_all, n) if i not in gaps])
-    rng.shuffle(test_ids)  # test.index is not sorted in the real files
-    allx = rng.integers(0, 2, (n_all, f)).astype(np.float32)
-    ally_lab = rng.integers(0, c, n_all)
-    ally_lab[-1] = -1  # a vertex with an all-zero label row, outside every split
-    tx = rng.integers(0, 2, (len(test_ids), f)).astype(np.float32) + 10  # distinguishable from allx
-    ty_lab = rng.integers(0, c, len(test_ids))
-    graph = defaultdict(list)
-    for _ in range(1500):
-        u, v = (int(a) for a in rng.integers(0, n, 2))
-        graph[u].append(v)
-    graph[5].extend([5, 6, 6])  # a self-loop and a duplicate edge
-    directory = tmp_path / "planetoid" / name
-    write_planetoid(directory, name, allx=allx, ally=onehot(ally_lab, c), tx=tx, ty=onehot(ty_lab, c),
-                    test_index=test_ids, graph=graph)
-    return directory, dict(allx=allx, ally=ally_lab, tx=tx, ty=ty_lab, test_ids=test_ids, graph=graph, n=n)
+from tests.ngra.datasets.dataset_files import onehot, planetoid_like, write_planetoid
 
 
 def kipf_reference(directory, name):
@@ -116,7 +73,7 @@ def test_cora_normalize_features(shared_datasets):
 
 
 def test_citeseer_style_missing_test_vertices(tmp_path):
-    directory, raw = synthetic(tmp_path, "citeseer")
+    directory, raw = planetoid_like(tmp_path, "citeseer")
     ds = load("citeseer", root=tmp_path)
     check_against_reference(ds, directory, "citeseer")
     # Holes in the test range: zero features, no label, in no split.
@@ -131,7 +88,7 @@ def test_citeseer_style_missing_test_vertices(tmp_path):
 
 
 def test_pubmed_style_contiguous_test_range(tmp_path):
-    directory, _ = synthetic(tmp_path, "pubmed", gaps=())
+    directory, _ = planetoid_like(tmp_path, "pubmed", gaps=())
     ds = load("pubmed", root=tmp_path)
     check_against_reference(ds, directory, "pubmed")
     assert int(ds.test_mask.sum()) == 20
@@ -171,7 +128,7 @@ class _Evil:
      r"ind\.citeseer\.x: the training rows in x/y differ from the first 10 rows of allx/ally"),
 ])
 def test_malformed_files(tmp_path, corrupt, match):
-    directory, _ = synthetic(tmp_path, "citeseer")
+    directory, _ = planetoid_like(tmp_path, "citeseer")
     corrupt(directory)
     with pytest.raises(ValueError, match=match):
         read_planetoid(directory, "citeseer")
