@@ -7,12 +7,14 @@ Implications of Graph Neural Networks").
 
 Steps: (1) every dataset is saved once as ``graph.npz`` (edge list without self loops, features,
 labels, random edge types for R-GCN) and every model's ngra weights as ``weights_<model>.npz``;
-(2) correctness gate: each framework computes the eval-mode output from those files in a worker
-process and the run stops with an error unless all agree with ngra within ``--tol``;
+(2) correctness gate: each framework computes the eval-mode output and the parameter gradients
+of the cross-entropy from those files in a worker process, and the run stops with an error
+unless all agree with ngra within ``--tol`` (outputs) and ``--grad-tol`` (gradients);
 (3) timing: one worker process per framework x dataset runs, for each model, an inference
-forward and a training step (forward, cross-entropy, backward, Adam), best of ``--repeats``,
-with per-stage forward times and the peak memory of the first run; (4) ``results.csv`` (long
-form), ``report.md`` and PNG figures under ``--out``.
+forward and a training step (forward, cross-entropy + backward, Adam step), best of
+``--repeats``, with per-stage forward and backward times and the peak memory of the first run;
+a worker that stops making progress is killed and a fresh one goes on with the next model;
+(4) ``results.csv`` (long form), ``gate.csv``, ``report.md`` and PNG figures under ``--out``.
 
 Frameworks: ``ngra`` (optimized IR: lifted and fused), ``ngra-unfused`` (the raw traced IR:
 separate Scatter / ApplyEdge / Gather nodes), ``pyg`` (PyG 2.8 built-in layers, same process
@@ -224,7 +226,7 @@ def worker(spec_path):
         for name, modes in spec["plan"]:
             mark_start(spec["out"], fw, name)
             weights = dict(np.load(data_dir / f"weights_{name}.npz"))
-            done = set()
+            done, run = set(), None
             try:
                 _, warm, _, _ = _make(fw, name, tiny_subgraph(gd), weights)
                 for mode in modes:
@@ -235,7 +237,6 @@ def worker(spec_path):
                     rec = measure(run, mode, spec["repeats"], spec["max_seconds"])
                     append_jsonl(spec["out"], {"framework": fw, "model": name, **rec})
                     done.add(mode)
-                del run
             except Exception as e:  # noqa: BLE001 - recorded as a skipped row, never hidden
                 if not is_oom(e):
                     raise
@@ -243,6 +244,7 @@ def worker(spec_path):
                     if mode not in done:
                         append_jsonl(spec["out"], {"framework": fw, "model": name, "mode": mode,
                                                    "status": _oom_reason(spec, e)})
+            run = None  # the next model's baseline memory must not include this one's
 
 
 # =============================================================================================
@@ -875,7 +877,8 @@ def plot(rows, frameworks, models, datasets, modes, out: Path):
         for ax in list(axes.flat)[len(datasets):]:
             ax.axis("off")
         axes.flat[0].legend(fontsize=6, ncol=2)
-        fig.suptitle(f"Per-stage time, {mode} (one bar per framework, in the order of the title)")
+        fig.suptitle(f"Per-stage time, {mode} (one bar per framework, in the order of the title"
+                     + ("; hatched: backward, grey: optimizer step)" if mode == "training" else ")"))
         fig.tight_layout()
         fig.savefig(out / f"stages_{mode}.png", dpi=110)
         plt.close(fig)
