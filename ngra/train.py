@@ -879,10 +879,12 @@ def run(config: TrainConfig, *, data=None,
 
 def record_run(result: TrainResult, config: TrainConfig, engine_ctx) -> None:
     """Add the run's device and streaming settings to ``result.info``; for a streamed run also
-    ``info["streamed"]``: what the engine really did in its last streamed call
-    (``num_intervals`` P, non-empty ``chunks``, ``passes``, vertex ``ordering``)."""
+    ``info["streamed"]``: what the engine really did in its last streamed call, a copy of
+    ``ngra.Engine.last_run`` (``num_intervals`` P, chosen by ``memory_budget`` if given, the
+    vertex ``ordering``, ...)."""
     result.info.update(device=config.device, memory_budget=config.memory_budget,
                        num_chunks=config.num_chunks)
     last_run = getattr(engine_ctx, "last_run", None)
     if last_run:
-        result.info["streamed"] = dict(last_run)
+        # numpy scalars -> Python numbers: info goes into the --metrics-json file.
+        result.info["streamed"] = {k: v.item() if isinstance(v, np.generic) else v for k, v in last_run.items()}

@@ -381,7 +381,9 @@ def test_streamed_run_reports_what_the_engine_did():
         pytest.skip("ngra.Engine (the streaming engine) does not exist yet")
     assert "streamed" not in run(small_config(epochs=2)).info
     res = run(small_config(epochs=2, num_chunks=3))
-    assert res.info["streamed"] == {"num_intervals": 3, "chunks": 9, "passes": 1, "ordering": "identity"}
+    # The engine's own record (ngra.Engine.last_run); its other fields belong to the engine's tests.
+    assert res.info["streamed"]["num_intervals"] == 3 and res.info["streamed"]["ordering"] == "identity"
+    json.dumps(res.to_dict())
     # A budget chooses P; the record says which (smaller budgets, more intervals).
     p = [run(small_config(epochs=1, memory_budget=b)).info["streamed"]["num_intervals"] for b in ("16KiB", "4KiB")]
     assert 1 < p[0] < p[1], p

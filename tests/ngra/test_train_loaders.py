@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-import ngra
 from ngra import datasets
 from ngra.datasets.npz import NPZ_FILES
 from ngra.datasets.ogb import OGB_NODE
@@ -27,16 +26,12 @@ from ngra.nn import MODELS, build_model
 from ngra.train import ConfigError, TrainConfig, fit, run
 from tests.ngra.datasets.dataset_files import gz, npz_like, planetoid_like, write_ogb
 
-pytestmark = pytest.mark.skipif(getattr(ngra, "Engine", None) is None,
-                                reason="ngra.Engine (the streaming engine) does not exist yet")
-
 EPOCHS = 8
 NPZ_NAME = "amazon-photo"  # any of the four npz names: they share one reader
 # dataset name (as ngra.datasets.load knows it) per on-disk format; "edge-list" is built by hand,
 # since an edge list gives ngra the graph only.
-FORMATS = {"planetoid, CiteSeer-like test gaps": "citeseer", "planetoid, PubMed-like": "pubmed",
-           "gnn-benchmark npz": NPZ_NAME, "OGB raw, directed": "ogbn-arxiv",
-           "OGB raw, inverse edges added": "ogbn-products", "edge list": "edge-list"}
+FORMATS = {"planetoid-citeseer-gaps": "citeseer", "planetoid-pubmed": "pubmed", "npz": NPZ_NAME,
+           "ogb-directed": "ogbn-arxiv", "ogb-inverse-edges": "ogbn-products", "edge-list": "edge-list"}
 OGB_N = 60
 OGB_UNLABELLED = (57, 58)  # "nan" in node-label.csv.gz, in no split
 
@@ -79,6 +74,11 @@ def edge_list_dataset(path) -> datasets.Dataset:
     split = torch.from_numpy(rng.permutation(n))
     masks = [torch.zeros(n, dtype=torch.bool).index_fill_(0, ids, True) for ids in split.split([25, 15, 30])]
     return datasets.Dataset("edge-list", graph, x, y, *masks, num_classes=3)
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
 
 
 def test_the_files_hold_the_edge_cases(root, tmp_path):
@@ -164,11 +164,6 @@ def test_ogb_without_features_is_refused(num_chunks, tmp_path):
                         progress=False))
 
 
-def _write(path, text):
-    path.write_text(text)
-    return path
-
-
 # -- the real datasets ----------------------------------------------------------------------------
 
 def _shared_path(root, name):
@@ -187,8 +182,9 @@ FILE_BASED = [*PLANETOID_NAMES, *NPZ_FILES, *OGB_NODE]
 def test_gcn_trains_streamed_on_every_shared_dataset(name, shared_datasets):
     """GCN, 10 epochs under ``Engine(num_chunks=2)``, on each shared copy (skipped where absent).
 
-    With cora, amazon-computers and coauthor-cs (the copies there now) this takes about a
-    minute on one core. ogbn-products is left out even where present: 2.4M vertices and 124M
+    With cora, amazon-computers and coauthor-cs (the copies there now) this takes about 25 s
+    on one core (coauthor-cs 13 s, cora 5 s with the kernels' first compile, amazon-computers
+    3 s; ``taskset -c 0 pytest -m slow``). ogbn-products is left out even where present: 2.4M vertices and 124M
     directed edges take minutes per epoch on one core. Amazon's raw 0/1 features (about 270
     ones per vertex) make GCN's first Adam steps overshoot (the loss rises at epoch 2 and is
     below its start from epoch 5), hence 10 epochs rather than 2.
