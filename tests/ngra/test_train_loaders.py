@@ -184,8 +184,8 @@ def test_gcn_trains_streamed_on_every_shared_dataset(name, shared_datasets):
 
     With cora, amazon-computers and coauthor-cs (the copies there now) this takes about 25 s
     on one core (coauthor-cs 13 s, cora 5 s with the kernels' first compile, amazon-computers
-    3 s; ``taskset -c 0 pytest -m slow``). ogbn-products is left out even where present: 2.4M vertices and 124M
-    directed edges take minutes per epoch on one core. Amazon's raw 0/1 features (about 270
+    3 s; ``taskset -c 0 pytest -m slow``). ogbn-products is left out even where present: 2.4M
+    vertices and 124M directed edges take minutes per epoch on one core. Amazon's raw 0/1 features (about 270
     ones per vertex) make GCN's first Adam steps overshoot (the loss rises at epoch 2 and is
     below its start from epoch 5), hence 10 epochs rather than 2.
     """
