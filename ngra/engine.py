@@ -1,4 +1,4 @@
-"""The streaming engine: run vertex programs chunk by chunk over a 2D partition of the graph.
+"""The streaming engine: run vertex programs one destination column at a time.
 
 Inside ``with ngra.Engine(num_chunks=4):`` (or ``memory_budget="256MiB"``) every vertex-program
 call is streamed; outside, it runs in memory. Both run the same optimized IR and give the same
@@ -11,24 +11,56 @@ The IR is cut into three parts by domain:
 - *pre*: vertex and parameter values that do not depend on a Gather (inputs, lifted
   projections, ...); computed once for all vertices;
 - *edge part*: Scatter, ApplyEdge, edge softmax and the Gather itself (``gather`` / ``gspmm``);
-  run chunk by chunk. Chunk ``(i, j)`` holds the edges from vertex interval ``i`` to interval
-  ``j`` (``partition.grid``); its vertex operands are row slices of the pre values, its edge
-  operands ``e[chunk.eids]``;
-- *post*: ApplyVertex, run once on all vertices after every interval is gathered (ApplyVertex
+  run once per destination column;
+- *post*: ApplyVertex, run once on all vertices after every column is gathered (ApplyVertex
   may hold operations that are not row-wise, such as batch norm, so it is not split).
 
-Forward is column-ordered: for destination interval ``j`` the accumulator stays resident while
-the chunks ``(0, j), (1, j), ...`` stream through; partial results are combined exactly (sums
-added, maxima compared with empty destinations masked, means divided by the full in-degree at
-the end). Edge softmax needs the normalizer of all in-edges of a destination, which spans
-chunks: the column is streamed once to build the per-destination maximum and sum of
-exponentials (an online softmax), then again to produce the messages.
+Vertices are cut into P intervals (by default intervals of equal in-edge counts,
+:func:`balanced_bounds`). *Column* ``j`` is every edge whose destination lies in interval ``j``:
+the chunks ``(0, j), (1, j), ..., (P-1, j)`` of the P x P grid (``partition.grid``), read
+together. Columns stream in order; the edge part runs on a column as it would on a whole graph
+whose destinations are interval ``j`` (a bipartite CSR: all N sources, the interval's
+destinations). Source operands are the full vertex values, destination operands their rows of
+interval ``j``, edge operands ``e[column edge ids]``.
 
+Why whole columns, not single chunks: a column holds *every* in-edge of its destinations, so
+each reduction (sum, mean over the full in-degree, max, min) and each edge softmax is complete
+within it and runs as the same fused kernel as in memory: no partial accumulators to combine,
+no second pass over the chunks for the softmax normalizer. Splitting a column into its P chunks
+would not lower the peak either: backward recomputes a column at a time (below), so the
+column, not the chunk, is the unit of edge-level memory.
+
+Memory and backward
+-------------------
 Each column runs under activation checkpointing (``torch.utils.checkpoint``, non-reentrant):
-nothing edge-sized is kept for backward; backward recomputes the column's chunks. So the
-edge-level memory is one chunk in forward and one column in backward, and vertex-level data
-(features, accumulators) stays resident. A prefetch thread prepares chunk ``k + 1`` (its CSR,
-edge ids, or its arrays from an on-disk store) while chunk ``k`` computes.
+nothing edge-sized is kept between columns; backward recomputes one column at a time, in
+reverse column order, and runs the column's kernel gradients. The edge-level working set is
+therefore one column's edge values, their gradients and its index arrays
+(:meth:`Engine.estimate`); vertex-level data (features, lifted projections, gathered
+results and their gradients) stays resident (:meth:`Engine.vertex_bytes`).
+
+Backward order: NGra streams backward row by row (source interval ``i`` resident, its out-edges
+streaming in), so that a source's gradient is accumulated while its row is loaded. Here every
+vertex-level gradient buffer is resident anyway, so the order in which columns add into it does
+not change memory; what matters is that per-destination quantities of backward (the gradient of
+a column's gathered values, the softmax term ``sum_k y_k dy_k`` over a destination's in-edges)
+are complete before the edges that need them, which a column-at-a-time recompute gives without
+an extra pass. Inside a column, gradients to sources run source-major over the column's
+transposed CSR (row order within the column), and the recompute of column ``j - 1`` is
+prefetched while column ``j`` runs backward.
+
+Where the columns come from
+---------------------------
+- an in-memory graph in its own vertex order: column ``j`` is rows ``bounds[j]:bounds[j+1]`` of
+  the graph's destination CSR (``Graph.in_csr()``, which the in-memory executor builds too),
+  i.e. views, no copy and no sort;
+- a reordered graph (``ordering="rcm"`` / ``"metis"``): the chunks of ``partition.grid``, merged
+  per column once;
+- a chunk store: the column's chunks read from disk at every pass (forward, and the recompute
+  in backward), on a prefetch thread that loads the next column while this one computes.
+
+Prepared columns of in-memory graphs (CSR slice, its transpose once backward built it) are
+cached by the engine for later calls, as the graph caches its own CSR; a store's are not.
 """
 
 from __future__ import annotations
@@ -37,28 +69,36 @@ import concurrent.futures
 import contextvars
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import partition
 
 from . import profile
 from .executor import GraphOps, eval_node
+from .graph import Graph
 from .ir import IR, Node, map_nodes
-from .passes import is_pure
 
-__all__ = ["Engine", "current_engine", "StreamPlan"]
+__all__ = ["Engine", "current_engine", "StreamPlan", "TensorMemory"]
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("ngra_engine", default=None)
-# The most vertex intervals a memory budget may ask for: P**2 chunks each cost some Python work
-# per pass, so beyond this the run would be dominated by overhead rather than by the kernels.
+# The most vertex intervals a memory budget may ask for: every column costs some Python work and
+# a few vertex-sized buffers per pass, so beyond this the run would be dominated by overhead.
 MAX_INTERVALS = 256
 _REDUCTIONS = ("gather", "gspmm")
 _EDGE_OPS = ("scatter", "gsddmm", "edge_softmax", *_REDUCTIONS)
+# Index bytes per edge of a column, for 8-byte ids (halved where int32 ids suffice, except the
+# original edge id): the column CSR's source ids and edge ids, the same for its transpose (built
+# by the kernels in backward), and the original edge id of each column position.
+_INDEX_SLOTS = 4
+_INT32_MAX = 2**31 - 1
 
 
 def current_engine():
@@ -69,16 +109,19 @@ def current_engine():
 # -- splitting the IR --------------------------------------------------------------------------------
 @dataclass
 class StreamPlan:
-    """The IR cut into pre / edge / post parts (see the module docstring)."""
+    """The IR cut into pre / edge / post parts (see the module docstring).
+
+    ``needs``: ids of pre nodes the edge part reads; ``post_reads``: ids of pre nodes the post
+    part reads (both stay alive until their part has run; other pre values are dropped after
+    their last reader, as the in-memory executor does).
+    """
 
     pre: list[Node]
     edge: list[Node]
     post: list[Node]
     reductions: list[Node]
-    softmaxes: list[Node]
-    needs: set = field(default_factory=set)  # ids of pre nodes the edge part reads
-    random: bool = False
-    upstream: list = field(default_factory=list)  # per softmax: ids of the edge nodes it reads
+    needs: set = field(default_factory=set)
+    post_reads: set = field(default_factory=set)
 
     @classmethod
     def of(cls, ir: IR) -> "StreamPlan":
@@ -107,52 +150,142 @@ class StreamPlan:
                     raise ValueError(f"cannot stream: %{n.name} reads %{a.name}, which depends on "
                                      f"a Gather\nIR:\n{ir}")
         needs = {id(a) for n in edge for a in n.inputs() if id(a) in pre_ids}
-        softmaxes = [n for n in edge if n.op == "edge_softmax"]
-        upstream = []
-        for s in softmaxes:
-            seen, todo = {id(s)}, [s]
-            while todo:
-                for a in todo.pop().inputs():
-                    if id(a) in edge_ids and id(a) not in seen:
-                        seen.add(id(a))
-                        todo.append(a)
-            upstream.append(seen)
-        return cls(pre, edge, post, [n for n in edge if n.op in _REDUCTIONS], softmaxes, needs,
-                   any(not is_pure(n) for n in edge), upstream)
+        post_reads = {id(a) for n in [*post, ir.output] for a in n.inputs() if id(a) in pre_ids}
+        return cls(pre, edge, post, [n for n in edge if n.op in _REDUCTIONS], needs, post_reads)
 
 
-# -- chunk preparation --------------------------------------------------------------------------------
+def _drop_schedule(nodes: list[Node], keep: set) -> dict[int, list[int]]:
+    """``k -> ids`` of values no node after ``nodes[k]`` reads (and not in ``keep``)."""
+    last: dict[int, int] = {}
+    for k, n in enumerate(nodes):
+        for a in n.inputs():
+            last[id(a)] = k
+    out: dict[int, list[int]] = {}
+    for ident, k in last.items():
+        if ident not in keep:
+            out.setdefault(k, []).append(ident)
+    return out
+
+
+# -- columns ------------------------------------------------------------------------------------------
 @dataclass
-class _Prepared:
-    """One chunk, ready to compute on: local CSR plus the index tensors the edge part needs."""
+class _Column:
+    """Column ``j`` ready to compute on.
 
-    i: int
+    ``csr``: bipartite CSR, N sources (new ids) x the interval's destinations (local ids); its
+    ``eids`` are column positions, so an edge value of the column is [C, ...] in column order.
+    ``eids`` [C] int64: the original edge id of each column position (to read edge data).
+    """
+
     j: int
-    src: slice
     dst: slice
     csr: Any
-    eids: torch.Tensor  # original edge ids of the chunk, in chunk order [E_ij]
-    dst_local: torch.Tensor  # destination of each edge, local to interval j [E_ij]
-    has_in: torch.Tensor  # [num_dst_j] bool: destination has an in-edge in this chunk
+    eids: torch.Tensor
 
 
-def _prepare(chunk: "partition.Chunk", device) -> _Prepared:
-    csr = chunk.csr().to(device)
-    eids = torch.from_numpy(np.array(chunk.eids, dtype=np.int64)).to(device)
-    dst_local = torch.from_numpy(np.array(chunk.dst, dtype=np.int64)).to(device)
-    counts = csr.indptr[1:] - csr.indptr[:-1]
-    return _Prepared(chunk.i, chunk.j, slice(chunk.src_start, chunk.src_stop),
-                     slice(chunk.dst_start, chunk.dst_stop), csr, eids, dst_local, counts > 0)
+class _GraphColumns:
+    """Columns of an in-memory graph in its own vertex order: row slices of ``g.in_csr()``."""
+
+    ordering_method = "identity"
+    cached = True
+    identity = True
+
+    def __init__(self, g, bounds: np.ndarray):
+        self.g, self.bounds = g, bounds
+        self.num_intervals = len(bounds) - 1
+        self._cols: dict[int, _Column] = {}
+        deg = np.concatenate([[0], np.cumsum(g.in_degrees().cpu().numpy())])
+        self.column_edges = np.diff(deg[bounds]).astype(np.int64)
+
+    def column(self, j: int) -> _Column:
+        col = self._cols.get(j)
+        if col is None:
+            import kernels
+
+            full = self.g.in_csr()
+            a, b = int(self.bounds[j]), int(self.bounds[j + 1])
+            ptr = full.indptr[a:b + 1]
+            lo, hi = int(ptr[0]), int(ptr[-1])
+            idx = torch.int32 if max(self.g.num_nodes, hi - lo) <= _INT32_MAX else torch.int64
+            # Rows keep the graph's order (by original edge id), so every reduction adds in the
+            # same order as in memory and max/min ties pick the same edge. Column positions are
+            # the column's edges in original edge order, as a chunk's are: with one interval,
+            # edge values (and any random draws over them) are laid out exactly as in memory.
+            eids = full.eids[lo:hi].to(torch.int64)
+            order = torch.sort(eids, stable=True).indices
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(hi - lo, dtype=order.dtype, device=order.device)
+            csr = kernels.CSR(ptr - lo, full.indices[lo:hi].to(idx), rank.to(idx),
+                              self.g.num_nodes, b - a)
+            col = self._cols[j] = _Column(j, slice(a, b), csr, eids[order])
+        return col
 
 
-def _empty_chunk(grid, j: int, device) -> _Prepared:
-    import kernels
+class _ChunkColumns:
+    """Columns merged from the chunks of a ``partition.ChunkSource`` (a grid or a store)."""
 
-    src, dst = grid.interval(0), grid.interval(j)
-    none = torch.zeros(0, dtype=torch.int64, device=device)
-    csr = kernels.CSR.from_coo(none, none, (src[1] - src[0], dst[1] - dst[0]))
-    return _Prepared(0, j, slice(*src), slice(*dst), csr, none, none,
-                     torch.zeros(dst[1] - dst[0], dtype=torch.bool, device=device))
+    def __init__(self, source, device, *, cached: bool):
+        self.source, self.device, self.cached = source, device, cached
+        self.bounds = np.asarray(source.bounds, dtype=np.int64)
+        self.num_intervals = source.num_intervals
+        self.ordering_method = source.ordering_method
+        perm = np.asarray(source.ordering.perm)
+        self.identity = bool(np.array_equal(perm, np.arange(source.num_nodes)))
+        self.perm = None if self.identity else np.array(perm, dtype=np.int64)
+        self.inv = None if self.identity else np.array(source.ordering.inv, dtype=np.int64)
+        self.column_edges = np.asarray(source.counts, dtype=np.int64).sum(0)
+        self._cols: dict[int, _Column] = {}
+
+    def column(self, j: int) -> _Column:
+        col = self._cols.get(j)
+        if col is None:
+            col = self._load(j)
+            if self.cached:
+                self._cols[j] = col
+        return col
+
+    def _load(self, j: int) -> _Column:
+        import kernels
+
+        src_ = self.source
+        n, (a, b) = src_.num_nodes, src_.interval(j)
+        parts = [src_.chunk(i, j) for i in range(self.num_intervals) if src_.counts[i, j]]
+        if parts:
+            src = np.concatenate([c.src.astype(np.int64) + c.src_start for c in parts])
+            dst = np.concatenate([np.asarray(c.dst) for c in parts])
+            eids = np.concatenate([np.asarray(c.eids, dtype=np.int64) for c in parts])
+            if len(parts) > 1:  # each chunk is sorted by edge id: a merge of P sorted runs
+                order = np.argsort(eids, kind="stable")
+                src, dst, eids = src[order], dst[order], eids[order]
+        else:
+            src = dst = eids = np.zeros(0, dtype=np.int64)
+        wide = max(n, b - a, eids.shape[0]) > _INT32_MAX
+        idx = np.int64 if wide else np.int32
+        # Column positions follow the original edge order, and CSR.from_coo sorts stably by
+        # destination, so rows are in original edge order as in memory.
+        csr = kernels.CSR.from_coo(torch.from_numpy(src.astype(idx)),
+                                   torch.from_numpy(dst.astype(idx)), (n, b - a)).to(self.device)
+        return _Column(j, slice(a, b), csr, torch.from_numpy(eids).to(self.device))
+
+
+class _Loader:
+    """Hands out columns; with ``prefetch`` it loads the next one on a background thread."""
+
+    def __init__(self, columns, prefetch: bool):
+        self.columns = columns
+        self.prefetch = prefetch and not columns.cached
+        self._pool = None
+        self._pending: dict[int, concurrent.futures.Future] = {}
+
+    def get(self, j: int, then: int | None) -> _Column:
+        fut = self._pending.pop(j, None)
+        col = fut.result() if fut is not None else self.columns.column(j)
+        if self.prefetch and then is not None and 0 <= then < self.columns.num_intervals \
+                and then not in self._pending:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+            self._pending[then] = self._pool.submit(self.columns.column, then)
+        return col
 
 
 class Engine:
@@ -160,7 +293,7 @@ class Engine:
 
     Exactly one way of choosing the partition:
 
-    - ``num_chunks=P``: P vertex intervals, so a grid of P x P edge chunks;
+    - ``num_chunks=P``: P vertex intervals, so P destination columns (a P x P chunk grid);
     - ``memory_budget`` (bytes, or a string such as ``"512MiB"``): the smallest P whose estimated
       edge-level working set fits (see :meth:`estimate`; vertex-level data stays resident on top
       of the budget, :meth:`vertex_bytes`); an error says when no P can fit;
@@ -168,10 +301,12 @@ class Engine:
 
     ``ordering`` (``"identity"``, ``"rcm"``, ``"metis"``) reorders vertices for locality before
     cutting (ignored with a store, which has its own). With the default (identity) order the
-    intervals hold equal numbers of in-edges (:func:`balanced_bounds`), not of vertices. ``prefetch`` prepares the next chunk on a
-    background thread. ``backend`` is passed to the kernels.
+    intervals hold equal numbers of in-edges (:func:`balanced_bounds`), not of vertices.
+    ``prefetch`` loads the next column of a store on a background thread. ``backend`` is
+    passed to the kernels.
 
-    After a run, ``engine.last_run`` holds figures of the last streamed call (P, chunks, passes).
+    After a run, ``engine.last_run`` holds figures of the last streamed call (P, columns, the
+    estimate of its edge-level working set and its resident vertex bytes).
     """
 
     def __init__(self, memory_budget=None, num_chunks=None, store=None, *, ordering=None,
@@ -196,9 +331,9 @@ class Engine:
         self.prefetch = bool(prefetch)
         self.backend = backend
         self.last_run: dict = {}
-        self._grids: dict = {}
-        self._prepared: dict = {}
+        self._layouts: dict = {}
         self._tokens: list = []
+        self._probing = False  # an engine inside the cost probe reports no estimate
 
     def __repr__(self):
         how = (f"num_chunks={self.num_chunks}" if self.num_chunks is not None else
@@ -214,85 +349,126 @@ class Engine:
         _ACTIVE.reset(self._tokens.pop())
         return False
 
-    # -- partition ------------------------------------------------------------------------------
+    # -- the cost model ---------------------------------------------------------------------------
     def estimate(self, program, g, num_intervals: int, column_edges: int | None = None) -> int:
         """Estimated peak bytes of the *edge-level* working set of one streamed call, P intervals.
 
-        This is what streaming controls and what ``memory_budget`` bounds:
-        ``2 * edge_bytes * C_col + 2 * 40 * C_chunk``, where
+        This is what streaming controls and what ``memory_budget`` bounds::
 
-        - ``edge_bytes`` sums the row widths of the edge-domain values of the IR that own
-          memory (views such as ``view``/``unsqueeze`` are not counted); backward recomputes
-          one destination column under autograd, so a column's values and their gradients
-          (hence the factor 2) are alive at once; ``C_col`` is the most in-edges of one
-          destination interval;
-        - ``2 * 40 * C_chunk``: index arrays of the chunk in use and the one being prefetched
-          (``C_chunk`` = E / P**2, 40 bytes per edge at most).
+            (compute_bytes + index_bytes) * C_col
 
-        Vertex-level memory (features, lifted projections, accumulators: :meth:`vertex_bytes`)
-        stays resident whatever P is; it is a fixed overhead on top of the budget, as are the
-        graph, the model and the prepared chunk index cache an in-memory grid keeps.
+        - ``C_col``: the most in-edges of one destination column (about E / P with the balanced
+          intervals of the default order; measured, since one vertex is never split);
+        - ``compute_bytes``: the peak bytes per edge of running the edge part forward and
+          backward on one column (its edge values, the ones autograd saves, their gradients,
+          the kernels' per-edge buffers). It is *measured*, once per compiled program: the
+          program runs forward and backward on two small random graphs (16 vertices, 1024 and
+          4096 edges) while :class:`TensorMemory` records the peak bytes of live tensors; the
+          slope of peak over edges is the per-edge cost. If the probe cannot run (inputs it
+          cannot synthesize), the bound ``2 * edge_bytes`` is used instead: every edge-domain
+          value of the IR that owns memory (views are not counted) and its gradient alive at
+          once;
+        - ``index_bytes``: index arrays made per call. None for an in-memory graph, whose columns
+          are prepared once and cached (like the graph's own CSR: part of the fixed overhead,
+          ``(16 + 4 * 4 + 8) * E`` bytes with int32 column ids); for a store, the column's
+          arrays read from disk and the CSR and transposed CSR built from them (``_STORE_INDEX``
+          bytes per edge, measured the same way), twice with prefetch (the next column loads
+          while this one computes).
+
+        Vertex-level memory (features, lifted projections, gathered results and their
+        gradients: :meth:`vertex_bytes`) stays resident whatever P is; it, the graph and its
+        cached columns, the model and the runtime are a fixed overhead on top of the budget.
         """
-        plan = StreamPlan.of(program.ir)
-        ebytes = sum(_row_bytes(n) for n in plan.edge if n.op not in _REDUCTIONS and not _is_view(n))
-        e = g.num_edges
         if column_edges is None:
-            column_edges = _max_column_edges(g, num_intervals)
-        chunk_edges = math.ceil(e / num_intervals ** 2) if e else 0
-        return int(2 * ebytes * column_edges + 2 * 40 * chunk_edges)
+            column_edges = int(self._column_edges(g, num_intervals).max(initial=0))
+        return int(math.ceil(self._bytes_per_edge(program, g) * column_edges))
+
+    def _bytes_per_edge(self, program, g) -> float:
+        per_edge = _compute_bytes_per_edge(program, g.device, self.backend)
+        if self.store is not None:
+            per_edge += _STORE_INDEX * (2 if self.prefetch else 1)
+        return per_edge
 
     def vertex_bytes(self, program, g) -> int:
-        """Vertex-level bytes one streamed call keeps resident whatever P is: the values the edge
-        part reads, plus each accumulator twice (the columns' results and their concatenation)."""
+        """Bytes one streamed call keeps resident whatever P is (an upper bound): each vertex
+        value the edge part reads and up to three gradient buffers for it (the columns'
+        gradients are summed into it one after the other, and autograd adds out of place), each
+        gathered result three times (the columns' results, their concatenation and its
+        gradient), and for edge inputs three E-row gradient buffers the same way."""
         plan = StreamPlan.of(program.ir)
-        per_vertex = sum(_row_bytes(n) for n in plan.pre if id(n) in plan.needs) + \
-            2 * sum(_row_bytes(r) for r in plan.reductions)
-        return int(per_vertex * g.num_nodes)
+        needs = [n for n in plan.pre if id(n) in plan.needs]
+        per_vertex = 4 * sum(_row_bytes(n) for n in needs if n.domain == "vertex") + \
+            3 * sum(_row_bytes(r) for r in plan.reductions)
+        per_edge = 3 * sum(_row_bytes(n) for n in plan.edge if n.op == "input")
+        return int(per_vertex * g.num_nodes + per_edge * g.num_edges)
+
+    def _column_edges(self, g, p: int) -> np.ndarray:
+        """In-edges of each destination column [P] for the layout a call with P would use."""
+        if self.store is not None:
+            return np.asarray(self.store.counts, dtype=np.int64).sum(0)
+        if self.ordering in (None, "identity"):
+            if g.num_edges == 0:
+                return np.zeros(p, dtype=np.int64)
+            deg = np.concatenate([[0], np.cumsum(g.in_degrees().cpu().numpy())])
+            return np.diff(deg[balanced_bounds(g, p)]).astype(np.int64)
+        return self._layout(g, p).column_edges
 
     def _num_intervals(self, program, g) -> int:
         if self.store is not None:
             return self.store.num_intervals
         if self.num_chunks is not None:
             return self.num_chunks
-        p = 1
         cap = max(1, min(g.num_nodes, MAX_INTERVALS))
-        while self.estimate(program, g, p) > self.budget:
+        fits = lambda p: self.estimate(program, g, p) <= self.budget  # noqa: E731
+        lo, p = 0, 1  # estimate(lo) is over budget (0: none tried yet)
+        while not fits(p):
             if p >= cap:
                 raise ValueError(
                     f"memory_budget {partition.format_bytes(self.budget)} cannot be met: with "
-                    f"{p} intervals ({p * p} chunks; at most {MAX_INTERVALS} intervals are used, "
-                    f"since every chunk costs Python overhead) the edge-level working set of this "
-                    f"layer is still about {partition.format_bytes(self.estimate(program, g, p))} "
-                    f"(the destination with the most in-edges has "
+                    f"{p} intervals (at most {MAX_INTERVALS} are used, since every column costs "
+                    f"Python overhead) the edge-level working set of this layer is still about "
+                    f"{partition.format_bytes(self.estimate(program, g, p))} (the destination "
+                    f"with the most in-edges has "
                     f"{int(g.in_degrees().max()) if g.num_edges else 0}); raise the budget")
-            p = min(2 * p, cap)
+            lo, p = p, min(2 * p, cap)
+        while p - lo > 1:  # the smallest fitting P between the last two doubling steps
+            mid = (lo + p) // 2
+            lo, p = (lo, mid) if fits(mid) else (mid, p)
         return p
 
-    def grid_for(self, g, num_intervals: int):
-        """The chunk grid of ``g`` (cached per graph object and P)."""
+    def _layout(self, g, p: int):
+        """The columns of ``g`` cut into ``p`` intervals (cached per graph object and P)."""
         if self.store is not None:
             if (self.store.num_nodes, self.store.num_edges) != (g.num_nodes, g.num_edges):
                 raise ValueError(
                     f"the chunk store holds a graph with {self.store.num_nodes} nodes and "
                     f"{self.store.num_edges} edges, but the graph has {g.num_nodes} nodes and "
                     f"{g.num_edges} edges")
-            return self.store
-        key = (id(g), num_intervals)
-        hit = self._grids.get(key)
+            key = ("store", p)
+            if key not in self._layouts:
+                self._layouts[key] = (g, _ChunkColumns(self.store, g.device, cached=False))
+            return self._layouts[key][1]
+        key = (id(g), p)
+        hit = self._layouts.get(key)
         if hit is not None and hit[0] is g:
             return hit[1]
-        ordering = self.ordering
-        if ordering in (None, "identity"):
-            # The user's vertex order, cut into intervals of equal in-edge counts.
-            ordering = partition.Ordering(np.arange(g.num_nodes, dtype=np.int64), method="identity",
-                                          bounds=balanced_bounds(g, num_intervals))
-        grid = partition.grid(g.src.cpu().numpy(), g.dst.cpu().numpy(), g.num_nodes,
-                              num_intervals=num_intervals, ordering=ordering)
-        # The engine holds the graph while it caches its grid (an engine usually lives for one
+        for other, layout in list(self._layouts.values()):
+            # Layers that derive the same graph (each GAT layer adds self loops to its input)
+            # share one set of columns rather than each caching its own.
+            if other is not g and type(other) is type(g) is Graph and _same_edges(other, g) \
+                    and layout.num_intervals == p:
+                self._layouts[key] = (g, layout)
+                return layout
+        if self.ordering in (None, "identity"):
+            layout = _GraphColumns(g, balanced_bounds(g, p))
+        else:
+            grid = partition.grid(g.src.cpu().numpy(), g.dst.cpu().numpy(), g.num_nodes,
+                                  num_intervals=p, ordering=self.ordering)
+            layout = _ChunkColumns(grid, g.device, cached=True)
+        # The engine holds the graph while it caches its columns (an engine usually lives for one
         # ``with`` block), so the id in the key cannot be reused by another graph meanwhile.
-        self._grids[key] = (g, grid)
-        self._prepared.pop(key, None)
-        return grid
+        self._layouts[key] = (g, layout)
+        return layout
 
     # -- running ----------------------------------------------------------------------------------
     def run(self, program, g, vdata: dict, edata: dict):
@@ -303,41 +479,121 @@ class Engine:
             return program.run(g, vdata, edata, checked=True)
         plan = StreamPlan.of(program.ir)
         p = self._num_intervals(program, g)
-        grid = self.grid_for(g, p)
-        return _Run(self, program, plan, g, grid, vdata, edata).execute()
+        layout = self._layout(g, p)
+        out = _Run(self, program, plan, g, layout, vdata, edata).execute()
+        c_col = int(layout.column_edges.max(initial=0))
+        self.last_run = {"num_intervals": p, "columns": int((layout.column_edges > 0).sum()),
+                         "column_edges": c_col, "ordering": layout.ordering_method}
+        if not self._probing:
+            self.last_run.update(estimate=self.estimate(program, g, p, c_col),
+                                 vertex_bytes=self.vertex_bytes(program, g))
+        return out
 
-    def _chunks(self, grid, key, device, columns):
-        """Prepared chunks of each column, in column order, prefetched one ahead."""
-        cache = None
-        if self.store is None:  # in-memory grids: keep the prepared chunks for later passes
-            cache = self._prepared.setdefault(key, {})
-        order = [(i, j) for j in columns for i in range(grid.num_intervals) if grid.counts[i, j]]
-        if not order:
-            # A column without edges still runs the edge part once, on an empty chunk, so its
-            # zeros come out of the kernels attached to autograd exactly as in memory.
-            yield _empty_chunk(grid, columns[0], device)
-            return
 
-        def load(ij):
-            if cache is not None and ij in cache:
-                return cache[ij]
-            prepared = _prepare(grid.chunk(*ij), device)
-            if cache is not None:
-                cache[ij] = prepared
-            return prepared
+class TensorMemory(TorchDispatchMode):
+    """Bytes of tensor storage made while the mode is active and still alive.
 
-        cached = cache is not None and all(ij in cache for ij in order)
-        if cached or not self.prefetch or len(order) < 2:  # nothing to load ahead of time
-            for ij in order:
-                yield load(ij)
-            return
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-            future = pool.submit(load, order[0])
-            for k in range(len(order)):
-                prepared = future.result()
-                if k + 1 < len(order):
-                    future = pool.submit(load, order[k + 1])
-                yield prepared
+    ``with TensorMemory() as tm: ...`` then ``tm.current`` and ``tm.peak`` (bytes). Every storage
+    a torch op creates on this thread under the mode (kernel outputs, autograd's buffers in a
+    backward run from inside the block) counts once, from its creation until it is freed.
+    Memory made outside torch (numpy arrays, Numba's internal buffers) and by other threads is
+    not seen; neither are tensors that existed before the block.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+
+    def _freed(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                st = t.untyped_storage()
+                key, size = st.data_ptr(), st.nbytes()
+                if size == 0 or key in self._live:
+                    continue
+                self._live[key] = size
+                self._refs[key] = weakref.ref(st, lambda _, k=key: self._freed(k))
+                self.current += size
+                self.peak = max(self.peak, self.current)
+        return out
+
+
+# The cost probe: a graph this small keeps vertex-level memory negligible next to edge-level.
+_PROBE_NODES = 16
+_PROBE_EDGES = (1024, 4096)
+# Per-call index bytes per edge of a store's column: int64 source ids, int32 destinations and
+# int64 edge ids read from the chunks, their merge, and the CSR and transposed CSR built from
+# them with their sort buffers (measured with TensorMemory plus numpy's share, rounded up).
+_STORE_INDEX = 96
+_probed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _compute_bytes_per_edge(program, device, backend) -> float:
+    """Measured peak bytes per edge of the edge part, forward and backward (see
+    :meth:`Engine.estimate`); the ``2 * edge_bytes`` bound if the probe cannot run."""
+    key = (str(device), backend)
+    hit = _probed.get(program, {}).get(key)
+    if hit is None:
+        try:
+            # A fresh context: no active engine and no profiler records the probe's runs.
+            peaks = [contextvars.Context().run(_probe_peak, program, e, device, backend)
+                     for e in _PROBE_EDGES]
+            hit = max(0.0, (peaks[1] - peaks[0]) / (_PROBE_EDGES[1] - _PROBE_EDGES[0]))
+        except Exception:  # noqa: BLE001 - inputs the probe cannot make up: fall back to the bound
+            plan = StreamPlan.of(program.ir)
+            hit = 2.0 * sum(_row_bytes(n) for n in plan.edge
+                            if n.op not in _REDUCTIONS and not _is_view(n))
+        _probed.setdefault(program, {})[key] = hit
+    return hit
+
+
+def _probe_peak(program, num_edges: int, device, backend) -> int:
+    """Peak live tensor bytes of one streamed call (P = 1) of ``program`` and its backward on a
+    random graph with ``num_edges`` edges, inputs made up from the program's signature."""
+    gen = torch.Generator().manual_seed(0)
+    n = _PROBE_NODES
+    g = Graph(torch.randint(0, n, (num_edges,), generator=gen),
+              torch.randint(0, n, (num_edges,), generator=gen), n).to(device)
+    data = {"vertex": {}, "edge": {}}
+    for kind, sig, rows in (("vertex", program.vsig, n), ("edge", program.esig, num_edges)):
+        for name, (trailing, dtype) in sig.items():
+            if dtype.is_floating_point:
+                t = torch.randn((rows, *trailing), generator=gen, dtype=dtype).to(device)
+                t.requires_grad_()
+            else:  # ids (types, labels): 0 is valid for any range
+                t = torch.zeros((rows, *trailing), dtype=dtype, device=device)
+            data[kind][name] = t
+    layer = program.layer
+    leaves = [t for t in [*data["vertex"].values(), *data["edge"].values(), *layer.parameters()]
+              if t.requires_grad]
+    engine = Engine(num_chunks=1, prefetch=False, backend=backend)
+    engine._probing = True
+
+    def once():
+        out = engine.run(program, g, data["vertex"], data["edge"])
+        if out.requires_grad and leaves:
+            torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)
+
+    buffers = {k: b.clone() for k, b in layer.named_buffers()}
+    devices = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            once()  # the graph's CSR and the column cache are built outside the measurement
+            with TensorMemory() as tm:
+                once()
+    finally:
+        with torch.no_grad():  # batch-norm statistics and the like are the user's, untouched
+            for k, b in layer.named_buffers():
+                b.copy_(buffers[k])
+    return tm.peak
 
 
 def _row_bytes(n: Node) -> int:
@@ -360,13 +616,17 @@ def _is_view(n: Node) -> bool:
     return False
 
 
+def _same_edges(a, b) -> bool:
+    return (a.num_nodes, a.num_edges, a.device) == (b.num_nodes, b.num_edges, b.device) and \
+        torch.equal(a.src, b.src) and torch.equal(a.dst, b.dst)
+
+
 def balanced_bounds(g, p: int) -> np.ndarray:
     """Interval bounds [P+1] over vertex ids that give each destination interval about E / P
     in-edges (a vertex is never split, so one vertex with a huge in-degree keeps its column big).
 
-    Forward streams one destination column at a time and backward recomputes one column, so the
-    edge-level working set follows the most in-edges of a column, not the vertex count: on a
-    skewed graph (R-MAT, power law) equal vertex ranges put most edges into a few columns.
+    The edge-level working set follows the most in-edges of a column, not the vertex count: on
+    a skewed graph (R-MAT, power law) equal vertex ranges put most edges into a few columns.
     """
     n, e = g.num_nodes, g.num_edges
     if e == 0 or p <= 1:
@@ -378,74 +638,71 @@ def balanced_bounds(g, p: int) -> np.ndarray:
     return np.maximum.accumulate(np.minimum(bounds, n))
 
 
-def _max_column_edges(g, p: int) -> int:
-    if g.num_edges == 0:
-        return 0
-    bounds = balanced_bounds(g, p)
-    deg = np.concatenate([[0], np.cumsum(g.in_degrees().cpu().numpy())])
-    return int(np.diff(deg[bounds]).max())
-
-
 class _Run:
-    """One streamed call: evaluates the plan over the grid."""
+    """One streamed call: evaluates the plan column by column."""
 
-    def __init__(self, engine, program, plan, g, grid, vdata, edata):
+    def __init__(self, engine, program, plan, g, layout, vdata, edata):
         self.engine, self.program, self.plan = engine, program, plan
         self.layer = program.layer
-        self.g, self.grid = g, grid
+        self.g, self.layout = g, layout
         self.vdata, self.edata = vdata, edata
         self.device = g.device
-        self.key = (id(g), grid.num_intervals) if engine.store is None else ("store",)
-        perm = np.asarray(grid.ordering.perm)
-        self.identity = bool(np.array_equal(perm, np.arange(g.num_nodes)))
-        self.perm = torch.from_numpy(np.array(perm, dtype=np.int64)).to(self.device)
-        self.inv = torch.from_numpy(np.array(grid.ordering.inv, dtype=np.int64)).to(self.device)
-
-    def _ops(self, csr):
-        return GraphOps(csr, self.engine.backend)
+        self.identity = layout.identity
+        if not self.identity:
+            self.perm = torch.from_numpy(layout.perm).to(self.device)
+            self.inv = torch.from_numpy(layout.inv).to(self.device)
+        self.loader = _Loader(layout, engine.prefetch)
+        self.backward = False  # set once forward is done: later column runs are recomputes
 
     def execute(self):
         plan = self.plan
         env: dict[int, Any] = {}
-        load = lambda n: env[id(n)]  # noqa: E731
-        full_ops = None  # pre/post nodes never touch the graph
-        for n in plan.pre:
-            args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
-            env[id(n)] = self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, full_ops,
-                                                         self.vdata, self.edata))
+        out_node = self.program.ir.output.args[0]
+        keep = plan.needs | plan.post_reads | {id(out_node)}
+        drops = _drop_schedule(plan.pre, keep)
+        for k, n in enumerate(plan.pre):
+            env[id(n)] = self._eval_full(n, env)
+            for dead in drops.get(k, ()):
+                env.pop(dead, None)
         # Vertex operands of the edge part, in the partition's vertex order.
-        needed = [n for n in plan.pre if id(n) in plan.needs]
-        vert = {id(n): self._to_new(env[id(n)]) if n.domain == "vertex" else env[id(n)]
-                for n in needed}
-        deg = None
-        if any(_reducer(r) == "mean" for r in plan.reductions):
-            deg = self._to_new(self.g.in_degrees().to(self.device))
-        p = self.grid.num_intervals
-        columns_out = []
+        vert = {i: self._to_new(env[i]) if n.domain == "vertex" else env[i]
+                for n in plan.pre if (i := id(n)) in plan.needs}
+        for i in plan.needs - plan.post_reads - {id(out_node)}:
+            env.pop(i, None)  # the edge part reads ``vert``; autograd keeps what it needs
+        p = self.layout.num_intervals
         tensors = [v for v in vert.values() if isinstance(v, torch.Tensor)]
         use_ckpt = torch.is_grad_enabled() and (
             any(t.requires_grad for t in tensors)
             or any(t.requires_grad for t in self.edata.values())
             or any(q.requires_grad for q in self.layer.parameters()))
+        columns_out = []
         for j in range(p):
-            fn = lambda *_, j=j: self._column(j, vert, deg)  # noqa: E731
+            fn = lambda *_, j=j, vert=vert: self._column(j, vert)  # noqa: E731
             if use_ckpt:
                 outs = torch.utils.checkpoint.checkpoint(fn, *tensors, use_reentrant=False)
             else:
                 outs = fn()
             columns_out.append(outs)
+        self.backward = True
+        del vert, tensors
+        per_reduction = list(zip(*columns_out))
+        del columns_out
         for k, r in enumerate(plan.reductions):
-            parts = [c[k] for c in columns_out]
-            env[id(r)] = self._to_old(torch.cat(parts, 0) if parts else None)
-        for n in plan.post:
-            args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
-            env[id(n)] = self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, full_ops,
-                                                         self.vdata, self.edata))
-        self.engine.last_run = {"num_intervals": p, "chunks": int((self.grid.counts > 0).sum()),
-                                "passes": 1 + len(plan.softmaxes),
-                                "ordering": self.grid.ordering_method}
-        out = self.program.ir.output.args[0]
-        return env[id(out)]
+            env[id(r)] = self._to_old(torch.cat(per_reduction[k], 0))
+            per_reduction[k] = None  # the columns' results go as soon as they are joined
+        drops = _drop_schedule(plan.post, {id(out_node)})
+        for k, n in enumerate(plan.post):
+            env[id(n)] = self._eval_full(n, env)
+            for dead in drops.get(k, ()):
+                env.pop(dead, None)
+        return env[id(out_node)]
+
+    def _eval_full(self, n: Node, env):
+        """A pre or post node, on all vertices (they never touch the graph)."""
+        load = lambda a: env[id(a)]  # noqa: E731
+        args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
+        return self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, None, self.vdata,
+                                               self.edata))
 
     def _eval(self, n: Node, fn):
         prof = profile.current()
@@ -459,135 +716,41 @@ class _Run:
     def _to_old(self, x):
         return x if self.identity else x.index_select(0, self.inv)
 
-    # -- one destination column -----------------------------------------------------------------
-    def _column(self, j: int, vert: dict, deg):
+    # -- one destination column -------------------------------------------------------------------
+    def _column(self, j: int, vert: dict):
+        """The edge part on column ``j``: the reductions' rows of interval ``j``."""
+        # Forward walks the columns up, backward's recomputes walk them down: prefetch accordingly.
+        col = self.loader.get(j, j - 1 if self.backward else j + 1)
+        ops = GraphOps(col.csr, self.engine.backend)
         plan = self.plan
-        dst = slice(*self.grid.interval(j))
-        num_dst = dst.stop - dst.start
-        stats: dict[int, list] = {}  # softmax node -> [max (detached), sum of exponentials]
-        accs: dict[int, torch.Tensor] = {}
-        rng: dict[tuple, torch.Tensor] = {}
-        num_passes = 1 + len(plan.softmaxes)
-        for pass_k in range(num_passes):
-            final = pass_k == num_passes - 1
-            for ch in self.engine._chunks(self.grid, self.key, self.device, [j]):
-                if plan.random:  # later passes must draw the same random numbers as the first
-                    if pass_k == 0:
-                        rng[(ch.i, ch.j)] = torch.get_rng_state()
-                    else:
-                        torch.set_rng_state(rng[(ch.i, ch.j)])
-                self._chunk(ch, pass_k, final, vert, stats, accs, num_dst)
-        outs = []
-        for r in plan.reductions:
-            acc = accs.get(id(r))
-            reduce = _reducer(r)
-            if acc is None:
-                acc = torch.zeros((num_dst, *_trailing(r)), dtype=r.dtype, device=self.device)
-            elif reduce in ("max", "min"):
-                acc = torch.where(torch.isinf(acc), torch.zeros_like(acc), acc)
-            elif reduce == "mean":
-                d = deg[dst].clamp(min=1).to(acc.dtype).reshape(-1, *([1] * (acc.dim() - 1)))
-                acc = acc / d
-            outs.append(acc)
-        return tuple(outs)
-
-    def _chunk(self, ch: _Prepared, pass_k: int, final: bool, vert, stats, accs, num_dst):
         env: dict[int, Any] = {}
-        ops = self._ops(ch.csr)
 
         def load(n):
-            if id(n) in env:
-                return env[id(n)]
-            return vert[id(n)]
+            return env[id(n)] if id(n) in env else vert[id(n)]
 
-        plan = self.plan
-        softmax_index = {id(s): k for k, s in enumerate(plan.softmaxes)}
-        upstream = None if final else plan.upstream[pass_k]
-        for n in plan.edge:
-            if upstream is not None and id(n) not in upstream:
-                continue  # a statistics pass only needs the scores of its softmax
+        def rows(x, side):  # a vertex operand for the source (all vertices) or destination side
+            return x if side == "src" else x[col.dst]
+
+        drops = _drop_schedule(plan.edge, {id(r) for r in plan.reductions})
+        for k, n in enumerate(plan.edge):
             if n.op == "input":
-                env[id(n)] = self.edata[n.target[1]].index_select(0, ch.eids)
-                continue
-            if n.op == "edge_softmax":
-                k = softmax_index[id(n)]
-                x = load(n.args[0])
-                if k == pass_k:  # statistics pass: fold this chunk into the online softmax
-                    _fold_softmax(stats.setdefault(id(n), [None, None]), x, ch, ops, num_dst)
-                    return
-                m, z = stats[id(n)]
-                env[id(n)] = torch.exp(x - m.index_select(0, ch.dst_local)) / \
-                    z.index_select(0, ch.dst_local)
-                continue
-            if n.op in _REDUCTIONS:
-                if final:
-                    self._eval(n, lambda: self._reduce(n, ch, ops, load, accs))
-                continue
-            if n.op == "scatter":  # vertex operands are sliced to the interval they index
-                x = load(n.args[0])
-                x = x[ch.src] if n.target == "src" else x[ch.dst]
+                env[id(n)] = self.edata[n.target[1]].index_select(0, col.eids)
+            elif n.op == "scatter":
+                x = rows(load(n.args[0]), n.target)
                 env[id(n)] = self._eval(n, lambda: ops.scatter(x, n.target))
-                continue
-            if n.op == "gsddmm":
+            elif n.op == "gsddmm":
                 u, v, e = n.args
-                uv = (None if u is None else load(u)[ch.src], None if v is None else load(v)[ch.dst],
-                      None if e is None else load(e))
-                env[id(n)] = self._eval(n, lambda: ops.gsddmm(n.target, *uv))
-                continue
-            args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
-            env[id(n)] = self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, ops,
-                                                         self.vdata, self.edata))
-
-    def _reduce(self, n: Node, ch: _Prepared, ops: GraphOps, load, accs):
-        reduce = _reducer(n)
-        inner = "sum" if reduce == "mean" else reduce
-        if n.op == "gather":
-            part = ops.gather(load(n.args[0]), inner)
-        else:
-            op = n.target[0]
-            u, e = n.args
-            uval = None if u is None else load(u)[ch.src]
-            part = ops.gspmm(op, inner, uval, None if e is None else load(e))
-        acc = accs.get(id(n))
-        if reduce in ("max", "min"):
-            fill = float("-inf") if reduce == "max" else float("inf")
-            mask = ch.has_in.reshape(-1, *([1] * (part.dim() - 1)))
-            part = torch.where(mask, part, torch.full_like(part, fill))
-            if acc is None:
-                acc = torch.full_like(part, fill)
-            acc = torch.maximum(acc, part) if reduce == "max" else torch.minimum(acc, part)
-        else:
-            acc = part if acc is None else acc + part
-        accs[id(n)] = acc
-        return acc
-
-
-def _reducer(n: Node) -> str:
-    return n.target if n.op == "gather" else n.target[1]
-
-
-def _trailing(n: Node) -> tuple:
-    return tuple(n.shape[1:]) if n.shape is not None else ()
-
-
-def _fold_softmax(state: list, x: torch.Tensor, ch: _Prepared, ops: GraphOps, num_dst: int):
-    """Online softmax statistics over the chunks of one column.
-
-    ``state = [m, z]`` with ``m`` [num_dst, ...] the running maximum (detached: the softmax is
-    shift-invariant, so treating it as a constant keeps gradients exact) and ``z`` the running
-    sum of ``exp(x - m)``, rescaled whenever ``m`` grows.
-    """
-    with torch.no_grad():
-        cm = ops.gather(x.detach(), "max")
-        mask = ch.has_in.reshape(-1, *([1] * (cm.dim() - 1)))
-        cm = torch.where(mask, cm, torch.full_like(cm, float("-inf")))
-    m, z = state
-    if m is None:
-        m = torch.full_like(cm, float("-inf"))
-        z = torch.zeros(cm.shape, dtype=x.dtype, device=x.device)
-    new_m = torch.maximum(m, cm)
-    safe = torch.where(torch.isinf(new_m), torch.zeros_like(new_m), new_m)
-    scale = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, float("-inf")), m - safe))
-    ex = torch.exp(x - safe.index_select(0, ch.dst_local))
-    z = z * scale + ops.gather(ex, "sum")
-    state[0], state[1] = new_m.detach(), z
+                uve = (None if u is None else load(u), None if v is None else rows(load(v), "dst"),
+                       None if e is None else load(e))
+                env[id(n)] = self._eval(n, lambda: ops.gsddmm(n.target, *uve))
+            elif n.op == "gspmm":
+                u, e = n.args
+                ue = (None if u is None else load(u), None if e is None else load(e))
+                env[id(n)] = self._eval(n, lambda: ops.gspmm(*n.target, *ue))
+            else:
+                args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
+                env[id(n)] = self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, ops,
+                                                             self.vdata, self.edata))
+            for dead in drops.get(k, ()):
+                env.pop(dead, None)
+        return tuple(env[id(r)] for r in plan.reductions)
