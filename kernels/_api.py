@@ -1,8 +1,10 @@
 """Public kernels (gspmm, gsddmm, edge_softmax) as autograd Functions over backend primitives.
 
 Backward passes are written once, here, in terms of the same primitives (on the transposed CSR
-where gradients flow back to sources), so every backend gets gradients by implementing forward
-kernels only. Double backward is not supported (``once_differentiable``).
+where gradients flow back to sources), so a backend gets most gradients from its forward kernels;
+max/min backward and the edge softmax backward are backend primitives of their own, since they
+read the winners / probabilities the backend's forward recorded. Double backward is not supported
+(``once_differentiable``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from ._ops import (
     check_same_dtype,
     check_tensor,
     out_feat_shape,
-    padded_view,
     reduce_to,
 )
 from .csr import CSR
@@ -132,7 +133,7 @@ class _GSpMM(torch.autograd.Function):
         need_u, need_e = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         g = grad_out.contiguous()
         if reduce in ("max", "min"):
-            gu, ge = _arg_backward(csr, binop, arg, g, u, e, need_u, need_e)
+            gu, ge = mod.spmm_arg_backward(csr, binop, arg, g, u, e, need_u, need_e)
         else:
             if reduce == "mean":
                 deg = csr.in_degrees().clamp(min=1).to(g.dtype)
@@ -169,52 +170,6 @@ def _spmm_sum_grad_e(csr, mod, binop, g, u, e):
     if fo and fo[-1] > 1 and fu == fo and (not fe or fe[-1] == 1):
         return mod.sddmm(csr, "dot", u, "u", g, "v")
     return mod.sddmm(csr, "mul", u, "u", g, "v")
-
-
-def _arg_backward(csr, binop, arg, g, u, e, need_u, need_e):
-    """max/min: only the arg edge of each output element gets gradient; O(num_dst * F) work.
-
-    Returns gradients in the broadcast output shape ([num_src, *fo], [E, *fo]); scatter_add_ on
-    CPU is sequential per output slice, so the result is deterministic.
-    """
-    fo = tuple(g.shape[1:])
-    nd = len(fo)
-    if csr.num_edges == 0:
-        z = lambda rows: torch.zeros((rows,) + fo, dtype=g.dtype, device=g.device)  # noqa: E731
-        return (z(csr.num_src) if need_u else None), (z(0) if need_e else None)
-    chosen = arg >= 0
-    eid = arg.clamp(min=0)
-    gm = torch.where(chosen, g, torch.zeros((), dtype=g.dtype, device=g.device))
-    src, _ = csr.coo()
-    sid = src[eid]
-
-    def pick(x, idx):  # x [R, *f] broadcast to [R, *fo]; returns x[idx[v, j], j]
-        xe = padded_view(x, nd).expand((x.shape[0],) + fo)
-        return torch.gather(xe, 0, idx)
-
-    gu = ge = None
-    if need_u:
-        if binop == "mul":
-            d = gm * pick(e, eid)
-        elif binop == "div":
-            d = gm / pick(e, eid)
-        else:
-            d = gm
-        gu = torch.zeros((csr.num_src,) + fo, dtype=g.dtype, device=g.device)
-        gu.scatter_add_(0, sid, d)
-    if need_e:
-        if binop == "mul":
-            d = gm * pick(u, sid)
-        elif binop == "div":
-            ev = pick(e, eid)
-            d = -gm * pick(u, sid) / (ev * ev)
-        elif binop == "sub":
-            d = -gm
-        else:
-            d = gm
-        ge = torch.zeros((csr.num_edges,) + fo, dtype=g.dtype, device=g.device)
-        ge.scatter_add_(0, eid, d)
-    return gu, ge
 
 
 # ----------------------------------------------------------------------------------------------

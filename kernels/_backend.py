@@ -3,9 +3,12 @@
 A backend module provides the primitives the autograd Functions are written against:
 
 - ``spmm(csr, binop, reduce, lhs, rhs, need_arg=True) -> (out, arg)``: ``out`` [num_dst, *fo];
-  ``reduce`` in sum/mean/max/min; for max/min with ``need_arg``, ``arg`` [num_dst, *fo] int64
-  holds the original edge id chosen for each output element (-1 for destinations with no
-  in-edge), else ``None``.
+  ``reduce`` in sum/mean/max/min; for max/min with ``need_arg``, ``arg`` records which edge won
+  each output element (the smallest edge id among ties) in a backend-specific form (the torch
+  and CUDA backends: [num_dst, *fo] int64 edge ids, -1 where a destination has no in-edge; numba:
+  a bit mask per CSR position), else ``None``.
+- ``spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs) -> (grad_lhs,
+  grad_rhs)``: max/min gradients routed through ``arg``, in the operands' own shapes.
 - ``sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target) -> out`` [E, *fo] in original edge order.
 - ``edge_softmax(csr, scores) -> y`` and ``edge_softmax_backward(csr, y, grad_y) -> grad_scores``.
 """

@@ -19,7 +19,7 @@ import torch
 from numba import config as _numba_config
 from numba import cuda
 
-from ._ops import bcast_offsets, out_feat_shape
+from ._ops import bcast_offsets, out_feat_shape, reduce_to
 
 NAME = "numba_cuda"
 DTYPES = (torch.float32, torch.float64)
@@ -132,6 +132,51 @@ def _spmm_maxmin(indptr, indices, eids, U, W, out, arg, op, loff, roff, is_max, 
                     besti = eids[k]
             out[v, f] = best
             arg[v, f] = besti
+
+
+@cuda.jit(cache=True)
+def _maxmin_grad_e(arg, src, G, U, W, GE, op, loff, roff):
+    """grad of max/min w.r.t. e, in the broadcast output shape [E, lo] (zeroed by the caller):
+    element (v, f) writes only at its own winning edge, which no other row shares."""
+    lo = G.shape[1]
+    for v in range(cuda.blockIdx.x, G.shape[0], cuda.gridDim.x):
+        for f in range(cuda.threadIdx.x, lo, cuda.blockDim.x):
+            eid = arg[v, f]
+            if eid < 0:
+                continue
+            g = G[v, f]
+            if op == SUB:
+                GE[eid, f] = -g
+            elif op == MUL:
+                GE[eid, f] = g * U[src[eid], loff[f]]
+            elif op == DIV:
+                x = W[eid, roff[f]]
+                GE[eid, f] = -g * U[src[eid], loff[f]] / (x * x)
+            else:
+                GE[eid, f] = g
+
+
+@cuda.jit(cache=True)
+def _maxmin_grad_u(tindptr, tindices, teids, arg, G, W, GU, op, roff, zero):
+    """grad of max/min w.r.t. u, [num_src, lo]: one thread per (source, feature) sums over the
+    source's out-edges (transposed CSR, edge id order) the elements that edge won; no atomics."""
+    lo = G.shape[1]
+    for s in range(cuda.blockIdx.x, GU.shape[0], cuda.gridDim.x):
+        beg = tindptr[s]
+        end = tindptr[s + 1]
+        for f in range(cuda.threadIdx.x, lo, cuda.blockDim.x):
+            acc = zero
+            for k in range(beg, end):
+                v = tindices[k]
+                eid = teids[k]
+                if arg[v, f] == eid:
+                    if op == MUL:
+                        acc += G[v, f] * W[eid, roff[f]]
+                    elif op == DIV:
+                        acc += G[v, f] / W[eid, roff[f]]
+                    else:
+                        acc += G[v, f]
+            GU[s, f] = acc
 
 
 @cuda.jit(cache=True)
@@ -272,6 +317,39 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
                 _zero(dtype))
         arg = arg.reshape((csr.num_dst,) + fo)
     return out.reshape((csr.num_dst,) + fo), arg
+
+
+def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
+    """Gradients of max/min through the arg edges (``arg`` [num_dst, *fo] int64 from
+    :func:`spmm`). Computed in the broadcast output shape with one writer per element (no
+    atomics, deterministic), then summed down to the operands' shapes by torch."""
+    _check_dtype(g, lhs, rhs)
+    fo = tuple(g.shape[1:])
+    lo = math.prod(fo)
+    G = _flat(g, csr.num_dst)
+    A = arg.reshape(csr.num_dst, lo)
+    fu = tuple(lhs.shape[1:]) if lhs is not None else ()
+    fe = tuple(rhs.shape[1:]) if rhs is not None else ()
+    U = _flat(lhs, csr.num_src) if lhs is not None else G
+    W = _flat(rhs, csr.num_edges) if rhs is not None else G
+    loff, roff, _ = bcast_offsets(binop, fu, fe, fo)
+    loff, roff = _offsets(loff, csr.device), _offsets(roff, csr.device)
+    op = _CODE[binop]
+    gu = ge = None
+    if need_lhs:
+        t = csr.transpose()
+        tindptr, tindices, teids, _ = _graph(t)
+        gu = torch.empty((csr.num_src, lo), dtype=g.dtype, device=csr.device)
+        _launch(_maxmin_grad_u, csr.num_src, lo, csr.device, tindptr, tindices, teids, _dev(A),
+                _dev(G), _dev(W), _dev(gu), op, roff, _zero(g.dtype))
+        gu = reduce_to(gu.reshape((csr.num_src,) + fo), fu)
+    if need_rhs:
+        src, _ = csr.coo()
+        ge = torch.zeros((csr.num_edges, lo), dtype=g.dtype, device=csr.device)
+        _launch(_maxmin_grad_e, csr.num_dst, lo, csr.device, _dev(A), _dev(src), _dev(G), _dev(U),
+                _dev(W), _dev(ge), op, loff, roff)
+        ge = reduce_to(ge.reshape((csr.num_edges,) + fo), fe)
+    return gu, ge
 
 
 def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ._ops import out_feat_shape, padded_view
+from ._ops import out_feat_shape, padded_view, reduce_to
 
 NAME = "torch"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -74,6 +74,56 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     arg.scatter_reduce_(0, idx, cand, "amin", include_self=True)
     arg[arg == E] = -1
     return out, arg
+
+
+def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
+    """max/min gradients: only the arg edge of each output element gets gradient.
+
+    ``arg`` [num_dst, *fo] int64 from :func:`spmm`. Returns ``(grad_lhs [num_src, *fu],
+    grad_rhs [E, *fe])``. scatter_add_ on CPU is sequential per output slice, so the result is
+    deterministic there (on CUDA it uses atomics).
+    """
+    fo = tuple(g.shape[1:])
+    fu = tuple(lhs.shape[1:]) if lhs is not None else ()
+    fe = tuple(rhs.shape[1:]) if rhs is not None else ()
+    nd = len(fo)
+    if csr.num_edges == 0:
+        gu = torch.zeros((csr.num_src,) + fu, dtype=g.dtype, device=g.device) if need_lhs else None
+        ge = torch.zeros((0,) + fe, dtype=g.dtype, device=g.device) if need_rhs else None
+        return gu, ge
+    chosen = arg >= 0
+    eid = arg.clamp(min=0)
+    gm = torch.where(chosen, g, torch.zeros((), dtype=g.dtype, device=g.device))
+    src, _ = csr.coo()
+    sid = src[eid]
+
+    def pick(x, idx):  # x [R, *f] broadcast to [R, *fo]; returns x[idx[v, j], j]
+        xe = padded_view(x, nd).expand((x.shape[0],) + fo)
+        return torch.gather(xe, 0, idx)
+
+    gu = ge = None
+    if need_lhs:
+        if binop == "mul":
+            d = gm * pick(rhs, eid)
+        elif binop == "div":
+            d = gm / pick(rhs, eid)
+        else:
+            d = gm
+        gu = torch.zeros((csr.num_src,) + fo, dtype=g.dtype, device=g.device)
+        gu = reduce_to(gu.scatter_add_(0, sid, d), fu)
+    if need_rhs:
+        if binop == "mul":
+            d = gm * pick(lhs, sid)
+        elif binop == "div":
+            ev = pick(rhs, eid)
+            d = -gm * pick(lhs, sid) / (ev * ev)
+        elif binop == "sub":
+            d = -gm
+        else:
+            d = gm
+        ge = torch.zeros((csr.num_edges,) + fo, dtype=g.dtype, device=g.device)
+        ge = reduce_to(ge.scatter_add_(0, eid, d), fe)
+    return gu, ge
 
 
 def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
