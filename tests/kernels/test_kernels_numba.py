@@ -28,7 +28,13 @@ def _run_all(csr, threads):
     s = kernels.gsddmm(csr, "u_dot_v", u=u, v=u, backend="numba")
     a = kernels.edge_softmax(csr, s, backend="numba")
     gu, = torch.autograd.grad(a, (u,), torch.randn(a.shape, generator=gen))
-    return outs + [s, a, gu]
+    # one score per edge (the numba softmax's other path); max over 32-feature rows
+    flat = u.reshape(csr.num_src, 32)
+    s1 = kernels.gsddmm(csr, "u_dot_v", u=flat, v=flat, backend="numba").squeeze(1)
+    a1 = kernels.edge_softmax(csr, s1, backend="numba")
+    m1 = kernels.gspmm(csr, "copy_u", "max", u=flat, backend="numba")
+    gu1, = torch.autograd.grad((a1.sum(), m1.sum()), (u,))
+    return outs + [s, a, gu, s1, a1, m1, gu1]
 
 
 def test_numba_backend_is_bitwise_deterministic():
