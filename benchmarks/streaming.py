@@ -3,17 +3,26 @@
     python benchmarks/streaming.py              # 1M vertices / 16M edges (the issue's size)
     python benchmarks/streaming.py --quick      # 100K / 1.6M, a minute or two
 
-Every configuration runs in its own fresh process, which loads the same saved graph, features and
-weights, runs a warm-up step, then ``--repeats`` timed steps (forward, loss, backward); a second
-process measures memory (see :func:`launch`: glibc then returns freed large blocks to the OS at
-once, so the resident set follows live memory). Peak memory
-is the OS's resident-set high-water mark (``VmHWM``), reset (``/proc/self/clear_refs``) right
-before the timed steps, minus the resident set at that moment: the memory the step itself adds
-on top of the loaded graph, features and model. Budgets for the streamed runs are 1/2, 1/4 and
-1/8 of the in-memory step's peak measured this way; ``overhead`` is what the streamed step used
-beyond its budget. PyG (same environment) and DGL (``.venv-dgl``) run the same model and weights
-where they fit, as a reference. Output: a table on stdout, ``streaming.csv`` and
-``streaming.png`` under ``--out``.
+Memory: every configuration runs in its own fresh process, which loads the same saved graph,
+features and weights, runs a warm-up step, then one measured step (forward, loss, backward), with
+glibc told to return freed large blocks to the OS at once, so the resident set follows live
+memory (see :func:`launch`). Peak memory is the OS's resident-set high-water mark (``VmHWM``),
+reset (``/proc/self/clear_refs``) right before the measured step, minus the resident set at that
+moment (``base``: the loaded graph, features and model, plus what the warm-up cached: the
+graph's CSR, the engine's prepared columns). Budgets for the streamed runs are 1/2, 1/4 and 1/8
+of the in-memory step's peak measured this way.
+
+Time: the in-memory and every streamed configuration of ngra run in one more process, warmed up,
+then ``--repeats`` rounds of one step each, the configurations taking turns, so that load from
+other work on the machine falls on all of them alike; a configuration's time is its fastest
+step. PyG (same environment) and DGL (``.venv-dgl``) run the same model and weights where they
+fit, each in its own processes, as a reference.
+
+Columns: ``est`` is the engine's estimate of the edge-level working set at the P it chose (the
+larger of the two layers'); ``peak-est`` is then the rest of the step's memory, the fixed
+overhead that streaming does not shrink (vertex-level values and gradients, runtime buffers);
+``peak-budget`` what the step used beyond its budget. Output: a table on stdout,
+``streaming.csv`` and ``streaming.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -78,12 +87,17 @@ def worker(args):
     y = torch.from_numpy(np.load(data / "y.npy"))
     n = x.shape[0]
     weights = _weights(data)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    engines = [None] * len(budgets)
+    runs = [[] for _ in budgets]  # the engine's figures of every streamed call
     if args.framework == "ngra":
         import ngra
 
         g = ngra.Graph(src, dst, n)
         model = _ngra_model(weights)
-        engine = ngra.Engine(memory_budget=args.budget) if args.budget else None
+        for k, b in enumerate(budgets):
+            if b:
+                engines[k] = _recording(ngra.Engine(memory_budget=b), runs[k])
         run = lambda: model(g, x)  # noqa: E731
     elif args.framework == "pyg":
         from torch_geometric.nn import GATConv
@@ -91,7 +105,6 @@ def worker(args):
         ei = torch.from_numpy(np.stack([src, dst]))
         model = _pyg_model(GATConv, weights)
         run = lambda: model(x, ei)  # noqa: E731
-        engine = None
     else:
         import dgl
 
@@ -99,9 +112,8 @@ def worker(args):
         g = dgl.add_self_loop(dgl.remove_self_loop(g))
         model = _dgl_model(weights)
         run = lambda: model(g, x)  # noqa: E731
-        engine = None
 
-    def step():
+    def step(engine):
         model.zero_grad(set_to_none=True)
         if engine is None:
             out = run()
@@ -110,22 +122,45 @@ def worker(args):
                 out = run()
         loss = torch.nn.functional.cross_entropy(out, y)
         loss.backward()
-        return float(loss)
+        return float(loss.detach())
 
-    step()  # warm-up: JIT, partition, caches
+    for engine in engines:
+        step(engine)  # warm-up: JIT, partition, caches
     base = _status("VmRSS")
     _reset_peak()
-    times, loss = [], None
+    times = [[] for _ in budgets]
+    losses = [None] * len(budgets)
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - t0)
+        for k, engine in enumerate(engines):
+            t0 = time.perf_counter()
+            losses[k] = step(engine)
+            times[k].append(time.perf_counter() - t0)
     peak = _status("VmHWM") - base
     grad_norm = float(sum(p.grad.double().pow(2).sum() for p in model.parameters()) ** 0.5)
-    out = {"step_s": min(times), "peak_bytes": peak, "loss": loss, "grad_norm": grad_norm}
-    if engine is not None:
-        out["num_intervals"] = engine.last_run.get("num_intervals")
+    out = []
+    for k, engine in enumerate(engines):
+        res = {"step_s": min(times[k]), "times": times[k], "loss": losses[k],
+               "base_bytes": base, "peak_bytes": peak, "grad_norm": grad_norm}
+        if engine is not None:
+            last = runs[k][-len(model.layers):]  # the calls of the last step, one per layer
+            res["num_intervals"] = "/".join(str(r["num_intervals"]) for r in last)
+            res["estimate_bytes"] = max(r["estimate"] for r in last)
+            res["vertex_bytes"] = max(r["vertex_bytes"] for r in last)
+        out.append(res)
     print(json.dumps(out))
+
+
+def _recording(engine, into: list):
+    """``engine``, with a copy of ``last_run`` appended to ``into`` after every streamed call."""
+    run = engine.run
+
+    def recorded(*a, **kw):
+        result = run(*a, **kw)
+        into.append(dict(engine.last_run))
+        return result
+
+    engine.run = recorded
+    return engine
 
 
 def _pyg_model(GATConv, weights):
@@ -193,37 +228,32 @@ def prepare(data: Path, nodes: int, edges: int, seed: int):
     return g.num_edges
 
 
-def launch(python: str, data: Path, framework: str, budget: int | None, repeats: int,
-           timeout: float):
-    """Run one configuration twice, in fresh processes: once for time, once for memory.
+def launch(python: str, data: Path, framework: str, budgets: list, repeats: int,
+           timeout: float, *, memory: bool) -> list[dict]:
+    """Run configurations (``budgets``: 0 = in memory) in one fresh process; one result each.
 
-    Memory run: glibc is told to hand freed blocks of 64 KiB and more straight back to the OS
-    (``MALLOC_MMAP_THRESHOLD_``), so the resident set follows live memory; by default glibc keeps
-    freed large blocks after the warm-up step and the timed step reuses them unseen. That setting
-    makes every large allocation fault in fresh zeroed pages, which slows the step down, so the
-    time comes from a second run with glibc's defaults. Both runs set the same OpenMP wait policy
-    as ngra does (kernels/__init__.py), for every framework.
+    ``memory=True``: one configuration, one measured step, with glibc told to hand freed blocks
+    of 64 KiB and more straight back to the OS (``MALLOC_MMAP_THRESHOLD_``), so the resident set
+    follows live memory; by default glibc keeps freed large blocks after the warm-up step and
+    the measured step reuses them unseen. That setting makes every large allocation fault in
+    fresh zeroed pages, which slows the step down, so times come from ``memory=False`` runs with
+    glibc's defaults, where the configurations take turns (:func:`worker`). Both set the same
+    OpenMP wait policy as ngra does (kernels/__init__.py), for every framework.
     """
     cmd = [python, str(Path(__file__).resolve()), "--worker", "--data", str(data),
-           "--framework", framework]
-    if budget:
-        cmd += ["--budget", str(budget)]
-    base_env = dict(os.environ, DGLBACKEND="pytorch", PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
-    mem_env = dict(base_env, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
-    out = {}
-    for env, reps, keep in ((base_env, repeats, ("step_s", "loss", "grad_norm", "num_intervals")),
-                            (mem_env, 1, ("peak_bytes",))):
-        try:
-            res = subprocess.run(cmd + ["--repeats", str(reps)], capture_output=True, text=True,
-                                 timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout:.0f} s"}
-        if res.returncode != 0:
-            tail = (res.stderr.strip().splitlines() or ["?"])[-1]
-            return {"error": f"exit {res.returncode}: {tail[:200]}"}
-        got = json.loads(res.stdout.strip().splitlines()[-1])
-        out.update({k: got[k] for k in keep if k in got})
-    return out
+           "--framework", framework, "--budgets", ",".join(str(b or 0) for b in budgets),
+           "--repeats", str(1 if memory else repeats)]
+    env = dict(os.environ, DGLBACKEND="pytorch", PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
+    if memory:
+        env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return [{"error": f"timed out after {timeout:.0f} s"}] * len(budgets)
+    if res.returncode != 0:
+        tail = (res.stderr.strip().splitlines() or ["?"])[-1]
+        return [{"error": f"exit {res.returncode}: {tail[:200]}"}] * len(budgets)
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None):
@@ -242,7 +272,7 @@ def main(argv=None):
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--framework", default="ngra", help=argparse.SUPPRESS)
-    ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--budgets", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -260,55 +290,92 @@ def main(argv=None):
         print(f"graph: R-MAT {args.nodes} vertices, {num_edges} edges (self loops removed; GAT "
               f"adds one per vertex), {FEATURES} features; prepared in {time.perf_counter() - t0:.1f} s")
         fracs = [int(k) for k in args.fractions.split(",") if k]
-        plan = [("ngra", None, "in-memory")] + [("ngra", k, f"streamed 1/{k}") for k in fracs]
-        if not args.no_pyg:
-            plan.append(("pyg", None, "PyG (in memory)"))
-        dgl_python = ROOT / ".venv-dgl" / "bin" / "python"
-        if not args.no_dgl:
-            plan.append(("dgl", None, "DGL (in memory)"))
-        base = None
-        for framework, frac, label in tqdm(plan, desc="configurations"):
-            python = sys.executable
-            if framework == "dgl":
-                if not dgl_python.exists():
-                    rows.append({"config": label, "error": f"no DGL environment at {dgl_python}"})
-                    continue
-                python = str(dgl_python)
-            budget = None
-            if frac is not None:
-                if base is None or "error" in base:
-                    rows.append({"config": label, "error": "no in-memory baseline"})
-                    continue
-                budget = int(base["peak_bytes"] / frac)
-            res = launch(python, data, framework, budget, args.repeats, args.timeout)
-            res.update(config=label, framework=framework, budget_bytes=budget)
-            if framework == "ngra" and frac is None:
-                base = res
+        mem_keep = ("peak_bytes", "base_bytes", "num_intervals", "estimate_bytes", "vertex_bytes")
+        time_keep = ("step_s", "times", "loss", "grad_norm")
+        bar = tqdm(total=2 + 2 * len(fracs) + 2 * (not args.no_pyg) + 2 * (not args.no_dgl),
+                   desc="runs")
+        base = launch(sys.executable, data, "ngra", [0], args.repeats, args.timeout,
+                      memory=True)[0]
+        bar.update()
+        base.update(config="in-memory", framework="ngra", budget_bytes=None)
+        rows = [base]
+        if "error" in base:
+            rows += [{"config": f"streamed 1/{k}", "error": "no in-memory baseline"} for k in fracs]
+        else:
+            budgets = [int(base["peak_bytes"] / k) for k in fracs]
+            for k, b in zip(fracs, budgets):
+                res = launch(sys.executable, data, "ngra", [b], args.repeats, args.timeout,
+                             memory=True)[0]
+                bar.update()
+                res.update(config=f"streamed 1/{k}", framework="ngra", budget_bytes=b)
+                rows.append(res)
+            timed = launch(sys.executable, data, "ngra", [0, *budgets], args.repeats,
+                           args.timeout * (1 + len(budgets)), memory=False)
+            bar.update(1 + len(fracs))
+            for r, t in zip(rows, timed):
+                if "error" in t:
+                    r["error"] = t["error"]
+                else:
+                    r.update({k: t[k] for k in time_keep})
+        others = ([] if args.no_pyg else [("pyg", sys.executable, "PyG (in memory)")]) + \
+                 ([] if args.no_dgl else [("dgl", str(ROOT / ".venv-dgl" / "bin" / "python"),
+                                           "DGL (in memory)")])
+        for framework, python, label in others:
+            if not Path(python).exists():
+                rows.append({"config": label, "error": f"no environment at {python}"})
+                bar.update(2)
+                continue
+            res = {"config": label, "framework": framework, "budget_bytes": None}
+            for memory, keep in ((True, mem_keep), (False, time_keep)):
+                got = launch(python, data, framework, [0], args.repeats, args.timeout,
+                             memory=memory)[0]
+                bar.update()
+                if "error" in got:
+                    res["error"] = got["error"]
+                    break
+                res.update({k: got[k] for k in keep if k in got})
             rows.append(res)
+        bar.close()
     _report(rows, base, out, args)
 
 
 def _report(rows, base, out: Path, args):
     mib = 2 ** 20
-    head = (f"{'configuration':<18} {'P':>4} {'step s':>8} {'x in-mem':>9} {'peak MiB':>9} "
-            f"{'budget MiB':>11} {'over MiB':>9} {'loss':>9}")
+
+    def m(v):
+        return "-" if v is None else f"{v / mib:.0f}"
+
+    head = (f"{'configuration':<18} {'P':>5} {'step s':>8} {'x in-mem':>9} {'base MiB':>9} "
+            f"{'peak MiB':>9} {'budget MiB':>11} {'est MiB':>8} {'peak-est':>9} "
+            f"{'peak-budget':>12} {'loss':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['config']:<18} {r['error']}")
             continue
         ratio = r["step_s"] / base["step_s"] if base and "step_s" in base else float("nan")
-        over = (r["peak_bytes"] - r["budget_bytes"]) / mib if r.get("budget_bytes") else float("nan")
         r["time_ratio"] = ratio
-        r["overhead_bytes"] = None if r.get("budget_bytes") is None else r["peak_bytes"] - r["budget_bytes"]
-        lines.append(f"{r['config']:<18} {str(r.get('num_intervals') or '-'):>4} {r['step_s']:>8.2f} "
-                     f"{ratio:>9.2f} {r['peak_bytes'] / mib:>9.0f} "
-                     f"{(r['budget_bytes'] or 0) / mib:>11.0f} {over:>9.0f} {r['loss']:>9.5f}")
+        est, budget = r.get("estimate_bytes"), r.get("budget_bytes")
+        r["fixed_bytes"] = None if est is None else r["peak_bytes"] - est
+        r["overhead_bytes"] = None if budget is None else r["peak_bytes"] - budget
+        lines.append(f"{r['config']:<18} {str(r.get('num_intervals') or '-'):>5} "
+                     f"{r['step_s']:>8.2f} {ratio:>9.2f} {m(r.get('base_bytes')):>9} "
+                     f"{m(r['peak_bytes']):>9} {m(budget):>11} {m(est):>8} "
+                     f"{m(r['fixed_bytes']):>9} {m(r['overhead_bytes']):>12} {r['loss']:>9.5f}")
+    streamed = [r for r in rows if "error" not in r and r.get("fixed_bytes") is not None]
+    if streamed:
+        fixed = max(r["fixed_bytes"] for r in streamed)
+        ok = all(r["peak_bytes"] <= r["budget_bytes"] + fixed for r in streamed)
+        lines.append(f"fixed overhead (largest peak-est of the streamed runs): {fixed / mib:.0f} "
+                     f"MiB; peak <= budget + {fixed / mib:.0f} MiB in every streamed run: {ok}")
+    lines.append("P: intervals per layer (layer 1 / layer 2); step s: fastest of "
+                 f"{args.repeats} steps, configurations taking turns")
     table = "\n".join(lines)
     print(table)
     (out / "streaming.txt").write_text(table + "\n")
-    keys = ["config", "framework", "num_intervals", "step_s", "time_ratio", "peak_bytes",
-            "budget_bytes", "overhead_bytes", "loss", "grad_norm", "error"]
+    keys = ["config", "framework", "num_intervals", "step_s", "time_ratio", "base_bytes",
+            "peak_bytes", "budget_bytes", "estimate_bytes", "fixed_bytes", "overhead_bytes",
+            "vertex_bytes", "loss", "grad_norm", "times", "error"]
     with open(out / "streaming.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
@@ -328,6 +395,12 @@ def _report(rows, base, out: Path, args):
         with_budget = [r for r in ok if r.get("budget_bytes")]
         a2.scatter([r["config"] for r in with_budget], [r["budget_bytes"] / mib for r in with_budget],
                    color="black", marker="_", s=400, label="budget", zorder=3)
+        streamed = [r for r in with_budget if r.get("fixed_bytes") is not None]
+        if streamed:
+            fixed = max(r["fixed_bytes"] for r in streamed)
+            a2.scatter([r["config"] for r in streamed],
+                       [(r["budget_bytes"] + fixed) / mib for r in streamed], color="tab:red",
+                       marker="_", s=400, label="budget + fixed overhead", zorder=3)
         a2.set_ylabel("peak resident memory of the step (MiB)")
         a2.legend()
         for ax in (a1, a2):

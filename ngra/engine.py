@@ -247,24 +247,31 @@ class _ChunkColumns:
     def _load(self, j: int) -> _Column:
         import kernels
 
-        src_ = self.source
-        n, (a, b) = src_.num_nodes, src_.interval(j)
-        parts = [src_.chunk(i, j) for i in range(self.num_intervals) if src_.counts[i, j]]
-        if parts:
-            src = np.concatenate([c.src.astype(np.int64) + c.src_start for c in parts])
-            dst = np.concatenate([np.asarray(c.dst) for c in parts])
-            eids = np.concatenate([np.asarray(c.eids, dtype=np.int64) for c in parts])
-            if len(parts) > 1:  # each chunk is sorted by edge id: a merge of P sorted runs
-                order = np.argsort(eids, kind="stable")
-                src, dst, eids = src[order], dst[order], eids[order]
-        else:
-            src = dst = eids = np.zeros(0, dtype=np.int64)
-        wide = max(n, b - a, eids.shape[0]) > _INT32_MAX
-        idx = np.int64 if wide else np.int32
+        source = self.source
+        n, (a, b) = source.num_nodes, source.interval(j)
+        rows = [i for i in range(self.num_intervals) if source.counts[i, j]]
+        c = int(sum(int(source.counts[i, j]) for i in rows))
+        idx = np.int64 if max(n, b - a, c) > _INT32_MAX else np.int32
+        # Filled chunk by chunk (one chunk's arrays in flight at a time), in the ids' final dtype.
+        src, dst = np.empty(c, dtype=idx), np.empty(c, dtype=idx)
+        eids = np.empty(c, dtype=np.int64)
+        at = 0
+        for i in rows:
+            ch = source.chunk(i, j)
+            k = ch.num_edges
+            np.add(ch.src, ch.src_start, out=src[at:at + k], casting="unsafe")
+            dst[at:at + k] = ch.dst
+            eids[at:at + k] = ch.eids
+            at += k
+            del ch
+        if len(rows) > 1:  # each chunk is sorted by edge id: a merge of sorted runs
+            order = np.argsort(eids, kind="stable")
+            src, dst, eids = src[order], dst[order], eids[order]
+            del order
         # Column positions follow the original edge order, and CSR.from_coo sorts stably by
         # destination, so rows are in original edge order as in memory.
-        csr = kernels.CSR.from_coo(torch.from_numpy(src.astype(idx)),
-                                   torch.from_numpy(dst.astype(idx)), (n, b - a)).to(self.device)
+        csr = kernels.CSR.from_coo(torch.from_numpy(src), torch.from_numpy(dst),
+                                   (n, b - a)).to(self.device)
         return _Column(j, slice(a, b), csr, torch.from_numpy(eids).to(self.device))
 
 

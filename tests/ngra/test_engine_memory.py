@@ -1,15 +1,21 @@
-"""Streaming from a store must not keep every chunk's CSR alive until backward."""
+"""Memory of streamed calls: what is kept alive, and the cost model that picks P."""
 
 from __future__ import annotations
 
 import gc
+import tracemalloc
 
+import numpy as np
+import pytest
 import torch
 
 import kernels
 import ngra
 import partition
+from ngra import engine as engine_mod
+from ngra.engine import TensorMemory
 from saga_reference import random_graph
+from test_program import build, inputs
 
 
 def test_chunk_csrs_are_not_kept_alive_by_autograd(tmp_path):
@@ -29,8 +35,8 @@ def test_chunk_csrs_are_not_kept_alive_by_autograd(tmp_path):
     with ngra.Engine(store=tmp_path / "s"):
         out = layer(g, {"h": h})
     gc.collect()
-    # The kernels keep chunk CSRs only weakly (their tensors go through save_for_backward, which
-    # checkpointing frees), so no chunk CSR outlives the forward pass.
+    # The kernels keep column CSRs only weakly (their tensors go through save_for_backward, which
+    # checkpointing frees), so no column CSR of a store outlives the forward pass.
     alive = [o for o in gc.get_objects() if type(o) is kernels.CSR and id(o) not in before]
     assert alive == []
     out.pow(2).sum().backward()
@@ -38,3 +44,144 @@ def test_chunk_csrs_are_not_kept_alive_by_autograd(tmp_path):
     h.grad = None
     layer(g, {"h": h}).pow(2).sum().backward()
     torch.testing.assert_close(streamed, h.grad)
+
+
+def test_tensor_memory_counts_live_storages_once():
+    with TensorMemory() as tm:
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 bytes
+        view = a[10:]  # no new storage
+        b = a + 1
+        assert tm.current == 8000
+        del a
+        assert tm.current == 8000 and view.numel() == 990  # the view keeps a's storage alive
+        del view
+        assert tm.current == 4000
+    del b
+    assert tm.current == 0 and tm.peak == 8000
+
+
+def _peak_of_streamed_step(layer, g, vdata, edata, engine):
+    """Peak live tensor bytes of a streamed forward and backward (caches built beforehand)."""
+    leaves = [t for t in [*vdata.values(), *edata.values(), *layer.parameters()]
+              if t.requires_grad]
+
+    def step():
+        with engine:
+            out = layer(g, vdata, edata)
+        torch.autograd.grad(out.sum(), leaves, allow_unused=True)
+
+    step()  # the graph's CSR, the engine's columns and their transposes are cached here
+    gc.collect()
+    with TensorMemory() as tm:
+        step()
+    return tm.peak
+
+
+@pytest.mark.parametrize("kind", ["attention", "gated", "edge_mlp", "lin_src_dst"])
+def test_streamed_peak_stays_under_the_estimate(kind):
+    """Live tensor memory of a streamed call never exceeds estimate(P) + vertex_bytes, the
+    edge-level part shrinks as P grows, and the estimate is not grossly loose."""
+    g = random_graph(300, 30_000, seed=2)
+    layer = build(kind, "sum", fin=8, fout=8)
+    vdata, edata = inputs(g, kind, torch.float32, fin=8)
+    prog = layer.program_for(vdata, edata)
+    peaks = {}
+    for p in (1, 2, 4, 8):
+        engine = ngra.Engine(num_chunks=p)
+        peaks[p] = _peak_of_streamed_step(layer, g, vdata, edata, engine)
+        est, resident = engine.estimate(prog, g, p), engine.vertex_bytes(prog, g)
+        assert engine.last_run["estimate"] == est
+        assert peaks[p] <= est + resident, (p, peaks[p], est, resident)
+    assert peaks[8] < peaks[2] < peaks[1]
+    est1 = ngra.Engine(num_chunks=1).estimate(prog, g, 1)
+    assert peaks[1] >= 0.5 * est1  # the probe measures the cost, it does not pad it
+
+
+def test_estimate_scales_with_the_largest_column():
+    g = random_graph(300, 30_000, seed=2)
+    layer = build("attention", "sum", fin=8, fout=8)
+    vdata, _ = inputs(g, "attention", torch.float32, fin=8)
+    prog = layer.program_for(vdata, {})
+    engine = ngra.Engine(memory_budget="1GiB")
+    per_edge = engine.estimate(prog, g, 1) / g.num_edges
+    for p in (2, 3, 5):
+        bounds = engine_mod.balanced_bounds(g, p)
+        cum = np.concatenate([[0], np.cumsum(g.in_degrees().numpy())])
+        largest = int(np.diff(cum[bounds]).max())
+        assert engine.estimate(prog, g, p) == pytest.approx(per_edge * largest, rel=1e-6, abs=1)
+
+
+def test_probe_falls_back_to_the_bound(monkeypatch):
+    """A program the probe cannot run is costed at 2 bytes per byte of its edge values."""
+    g = random_graph(50, 400, seed=0)
+    layer = build("gated", "sum", fin=4, fout=4)
+    vdata, _ = inputs(g, "gated", torch.float32, fin=4)
+    prog = ngra.compile(layer, g, vdata)
+
+    def refuse(*a, **k):
+        raise RuntimeError("cannot make up inputs")
+
+    monkeypatch.setattr(engine_mod, "_probe_peak", refuse)
+    plan = engine_mod.StreamPlan.of(prog.ir)
+    edge_bytes = sum(engine_mod._row_bytes(n) for n in plan.edge
+                     if n.op not in engine_mod._REDUCTIONS and not engine_mod._is_view(n))
+    assert edge_bytes > 0
+    engine = ngra.Engine(num_chunks=1)
+    assert engine.estimate(prog, g, 1) == 2 * edge_bytes * g.num_edges
+
+
+def test_probe_leaves_the_layer_and_random_stream_alone():
+    g = random_graph(40, 300, seed=0)
+    layer = build("attention", "sum", fin=4, fout=4)
+    vdata, _ = inputs(g, "attention", torch.float32, fin=4)
+    prog = ngra.compile(layer, g, vdata)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    engine_mod._probed.pop(prog, None)
+    ngra.Engine(num_chunks=2).estimate(prog, g, 2)
+    torch.testing.assert_close(torch.rand(3), expected)
+    for k, v in layer.state_dict().items():
+        torch.testing.assert_close(v, state[k])
+    assert all(p.grad is None for p in layer.parameters())
+
+
+def test_store_column_index_bytes_stay_under_the_allowance(tmp_path):
+    """A store's column (read from its chunks) and the transposed CSR backward builds from it
+    need at most ``_STORE_INDEX`` bytes per edge, in torch tensors and in numpy arrays alike."""
+    rng = np.random.default_rng(0)
+    n, e = 3000, 60_000
+    src, dst = rng.integers(0, n, e), rng.integers(0, n, e)
+    partition.ChunkStore.write(tmp_path / "s", partition.grid(src, dst, n, num_intervals=4))
+    for mmap in (True, False):
+        store = partition.ChunkStore.open(tmp_path / "s", mmap=mmap)
+        columns = engine_mod._ChunkColumns(store, torch.device("cpu"), cached=False)
+        columns.column(1)  # chunk checksums are verified on first use
+        gc.collect()
+        tracemalloc.start()
+        try:
+            with TensorMemory() as tm:
+                col = columns.column(1)
+                col.csr.transpose()
+            numpy_peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        c = col.csr.num_edges
+        assert c == int(store.counts[:, 1].sum()) > 0
+        assert tm.peak <= engine_mod._STORE_INDEX * c
+        assert numpy_peak <= engine_mod._STORE_INDEX * c
+
+
+def test_memory_budget_choice_honours_the_measured_peak():
+    """The P a budget picks keeps the measured peak within budget + vertex_bytes."""
+    g = random_graph(300, 30_000, seed=4)
+    layer = build("gated", "sum", fin=8, fout=8)
+    vdata, _ = inputs(g, "gated", torch.float32, fin=8)
+    prog = layer.program_for(vdata, {})
+    whole = ngra.Engine(num_chunks=1).estimate(prog, g, 1)
+    for frac in (2, 4, 8):
+        engine = ngra.Engine(memory_budget=whole // frac)
+        peak = _peak_of_streamed_step(layer, g, vdata, {}, engine)
+        assert engine.last_run["num_intervals"] > 1
+        assert peak <= whole // frac + engine.vertex_bytes(prog, g)
