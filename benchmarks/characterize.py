@@ -705,9 +705,10 @@ def write_report(path, rows, gate_rows, stats, frameworks, models, args, wall, c
     L = ["# GNN characterization: ngra vs PyG vs DGL", "",
          f"Command: `{command}`  ", f"Wall time: {wall / 60:.1f} min on {os.cpu_count()} CPU cores "
          f"({platform.processor() or platform.machine()}), torch {torch.__version__}; "
-         f"one untimed warm-up run (its peak memory is reported) then best of {args.repeats} timed "
-         f"run(s) per configuration (the `repeats` column says how many ran; they stop after "
-         f"{args.max_seconds:g} s; 0 means only the warm-up ran and its time is reported). A "
+         f"one untimed warm-up run per configuration (its peak memory is reported; its time, "
+         "which holds one-time work such as building a transposed CSR on first use, is not), "
+         f"then the best of 1 to {args.repeats} timed run(s) (the `repeats` column says how many "
+         f"ran; no new one starts after {args.max_seconds:g} s). A "
          f"worker that made no progress for {args.worker_timeout:g} s was killed and the "
          f"configuration recorded as skipped; workers ran under a {args.mem_limit_gb:g} GiB "
          "data-segment limit. The machine was shared with other jobs: expect noise."
@@ -939,7 +940,8 @@ def main(argv=None):
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--repeats", type=int, default=None, help="best of N timed runs after one warm-up (default 3; --quick: 2)")
     p.add_argument("--max-seconds", type=float, default=60.0,
-                   help="stop repeating a configuration after this many seconds")
+                   help="no further timed run of a configuration starts after this many seconds "
+                        "(there is always at least one after the warm-up)")
     p.add_argument("--worker-timeout", type=float, default=1800.0,
                    help="kill a worker that finishes nothing (one model x mode, or one gate "
                         "check) for this many seconds; the configuration is recorded as "

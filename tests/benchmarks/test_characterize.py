@@ -250,3 +250,26 @@ def test_quick_run_writes_schema(tmp_path):
     for mode in ("inference", "training"):
         for fig in ("stages", "speedup", "memory"):
             assert (out / f"{fig}_{mode}.png").stat().st_size > 0
+
+
+def test_measure_times_at_least_one_run_after_the_warm_up():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from characterize_common import measure
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    totals = iter([100.0, 3.0, 2.0, 5.0])  # the warm-up is by far the slowest: never reported
+    calls = []
+
+    def runner(mode):
+        calls.append(mode)
+        t = next(totals)
+        return {"forward": t / 2, "stages": {"Gather": t / 2}, "backward": t / 4,
+                "backward_stages": {"Gather": t / 4}, "step": t / 4}
+    rec = measure(runner, "training", repeats=3, max_seconds=1e9)
+    assert len(calls) == 4 and rec["repeats"] == 3
+    assert rec["total"] == 2.0 and rec["forward"] == 1.0 and rec["step"] == 0.5
+    totals = iter([100.0, 3.0, 2.0])
+    calls.clear()
+    rec = measure(runner, "training", repeats=3, max_seconds=0.0)  # time is up: one timed run
+    assert len(calls) == 2 and rec["repeats"] == 1 and rec["total"] == 3.0
