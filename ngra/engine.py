@@ -80,6 +80,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import partition
+from partition.chunk_grid import interval_bounds, interval_of
 
 from . import profile
 from .executor import GraphOps, eval_node
@@ -194,8 +195,14 @@ class _GraphColumns:
         self.g, self.bounds = g, bounds
         self.num_intervals = len(bounds) - 1
         self._cols: dict[int, _Column] = {}
+        self.backward_done: set[int] = set()
         deg = np.concatenate([[0], np.cumsum(g.in_degrees().cpu().numpy())])
         self.column_edges = np.diff(deg[bounds]).astype(np.int64)
+
+    def prepared(self, *, backward: bool) -> bool:
+        """Every column built and, if ``backward``, through a backward once (the kernels then
+        cache its transposed CSR on it): a call makes no index arrays any more."""
+        return _prepared(self, backward)
 
     def column(self, j: int) -> _Column:
         col = self._cols.get(j)
@@ -235,6 +242,11 @@ class _ChunkColumns:
         self.inv = None if self.identity else np.array(source.ordering.inv, dtype=np.int64)
         self.column_edges = np.asarray(source.counts, dtype=np.int64).sum(0)
         self._cols: dict[int, _Column] = {}
+        self.backward_done: set[int] = set()
+
+    def prepared(self, *, backward: bool) -> bool:
+        """See :meth:`_GraphColumns.prepared`; a store's columns are never kept."""
+        return self.cached and _prepared(self, backward)
 
     def column(self, j: int) -> _Column:
         col = self._cols.get(j)
@@ -273,6 +285,11 @@ class _ChunkColumns:
         csr = kernels.CSR.from_coo(torch.from_numpy(src), torch.from_numpy(dst),
                                    (n, b - a)).to(self.device)
         return _Column(j, slice(a, b), csr, torch.from_numpy(eids).to(self.device))
+
+
+def _prepared(columns, backward: bool) -> bool:
+    p = columns.num_intervals
+    return len(columns._cols) == p and (not backward or len(columns.backward_done) == p)
 
 
 class _Loader:
@@ -338,7 +355,9 @@ class Engine:
         self.prefetch = bool(prefetch)
         self.backend = backend
         self.last_run: dict = {}
-        self._layouts: dict = {}
+        self._layouts: dict = {}  # (id of a graph, P) -> its columns
+        self._canon: dict = {}  # id of a graph -> (graph, the graph whose columns it shares)
+        self._orderings: dict = {}  # orderings and column sizes of reordered layouts
         self._tokens: list = []
         self._probing = False  # an engine inside the cost probe reports no estimate
 
@@ -375,12 +394,14 @@ class Engine:
           cannot synthesize), the bound ``2 * edge_bytes`` is used instead: every edge-domain
           value of the IR that owns memory (views are not counted) and its gradient alive at
           once;
-        - ``index_bytes``: index arrays made per call. None for an in-memory graph, whose columns
-          are prepared once and cached (like the graph's own CSR: part of the fixed overhead,
-          ``(16 + 4 * 4 + 8) * E`` bytes with int32 column ids); for a store, the column's
-          arrays read from disk and the CSR and transposed CSR built from them (``_STORE_INDEX``
-          bytes per edge, measured the same way), twice with prefetch (the next column loads
-          while this one computes).
+        - ``index_bytes``: index arrays a call makes, ``_INDEX_BYTES`` (96) per edge: preparing a
+          column (its CSR, original edge ids, and the transposed CSR its backward builds, with
+          their sort buffers; or a store column's arrays read and merged). An in-memory
+          graph's columns are prepared by its first calls and then cached (as the graph caches
+          its own CSR), so once every column has been through a forward and a backward the term
+          is 0; the cache itself, about 36 bytes per edge of the graph, is part of the fixed
+          overhead. A store's columns are read at every pass, the next one on the prefetch
+          thread while this one computes: twice the term, always.
 
         Vertex-level memory (features, lifted projections, gathered results and their
         gradients: :meth:`vertex_bytes`) stays resident whatever P is; it, the graph and its
@@ -388,12 +409,15 @@ class Engine:
         """
         if column_edges is None:
             column_edges = int(self._column_edges(g, num_intervals).max(initial=0))
-        return int(math.ceil(self._bytes_per_edge(program, g) * column_edges))
+        return int(math.ceil(self._bytes_per_edge(program, g, num_intervals) * column_edges))
 
-    def _bytes_per_edge(self, program, g) -> float:
+    def _bytes_per_edge(self, program, g, p: int) -> float:
         per_edge = _compute_bytes_per_edge(program, g.device, self.backend)
-        if self.store is not None:
-            per_edge += _STORE_INDEX * (2 if self.prefetch else 1)
+        layout = self._layout(g, p, create=False)
+        if layout is None or not layout.prepared(backward=torch.is_grad_enabled()):
+            # Columns still to prepare; a store's, at every pass, the next one on the prefetch
+            # thread while this one computes.
+            per_edge += _INDEX_BYTES * (2 if self.store is not None and self.prefetch else 1)
         return per_edge
 
     def vertex_bytes(self, program, g) -> int:
@@ -413,12 +437,19 @@ class Engine:
         """In-edges of each destination column [P] for the layout a call with P would use."""
         if self.store is not None:
             return np.asarray(self.store.counts, dtype=np.int64).sum(0)
+        g = self._canonical(g)
         if self.ordering in (None, "identity"):
             if g.num_edges == 0:
                 return np.zeros(p, dtype=np.int64)
             deg = np.concatenate([[0], np.cumsum(g.in_degrees().cpu().numpy())])
             return np.diff(deg[balanced_bounds(g, p)]).astype(np.int64)
-        return self._layout(g, p).column_edges
+        key = (id(g), p, "column_edges")
+        if key not in self._orderings:
+            order = self._ordering(g, p)
+            bounds = interval_bounds(g.num_nodes, p, order)
+            new_dst = order.relabel_array(g.dst.cpu().numpy())
+            self._orderings[key] = np.bincount(interval_of(new_dst, bounds), minlength=p)
+        return self._orderings[key]
 
     def _num_intervals(self, program, g) -> int:
         if self.store is not None:
@@ -443,8 +474,38 @@ class Engine:
             lo, p = (lo, mid) if fits(mid) else (mid, p)
         return p
 
-    def _layout(self, g, p: int):
-        """The columns of ``g`` cut into ``p`` intervals (cached per graph object and P)."""
+    def _canonical(self, g):
+        """``g``, or the first graph this engine saw with the same edges: layers that derive the
+        same graph (each GAT layer adds self loops to its input) share one set of columns."""
+        hit = self._canon.get(id(g))
+        if hit is not None and hit[0] is g:
+            return hit[1]
+        canon = g
+        if type(g) is Graph:
+            for other, first in list(self._canon.values()):
+                if other is first and other is not g and type(other) is Graph \
+                        and _same_edges(other, g):
+                    canon = other
+                    break
+        # The engine holds the graphs it saw (an engine usually lives for one ``with`` block),
+        # so an id in its caches cannot be reused by another graph meanwhile.
+        self._canon[id(g)] = (g, canon)
+        return canon
+
+    def _ordering(self, g, p: int):
+        """The vertex ordering of a reordered layout of ``g`` with ``p`` intervals (cached)."""
+        if isinstance(self.ordering, partition.Ordering):
+            return self.ordering
+        key = (id(g), p if self.ordering == "metis" else 0)
+        if key not in self._orderings:
+            self._orderings[key] = partition.reorder(
+                g.src.cpu().numpy(), g.dst.cpu().numpy(), g.num_nodes, method=self.ordering,
+                num_parts=p if self.ordering == "metis" else None)
+        return self._orderings[key]
+
+    def _layout(self, g, p: int, *, create: bool = True):
+        """The columns of ``g`` cut into ``p`` intervals (cached per graph and P); with
+        ``create=False``, None where they were not made yet."""
         if self.store is not None:
             if (self.store.num_nodes, self.store.num_edges) != (g.num_nodes, g.num_edges):
                 raise ValueError(
@@ -452,30 +513,20 @@ class Engine:
                     f"{self.store.num_edges} edges, but the graph has {g.num_nodes} nodes and "
                     f"{g.num_edges} edges")
             key = ("store", p)
-            if key not in self._layouts:
-                self._layouts[key] = (g, _ChunkColumns(self.store, g.device, cached=False))
-            return self._layouts[key][1]
+            if key not in self._layouts and create:
+                self._layouts[key] = _ChunkColumns(self.store, g.device, cached=False)
+            return self._layouts.get(key)
+        g = self._canonical(g)
         key = (id(g), p)
-        hit = self._layouts.get(key)
-        if hit is not None and hit[0] is g:
-            return hit[1]
-        for other, layout in list(self._layouts.values()):
-            # Layers that derive the same graph (each GAT layer adds self loops to its input)
-            # share one set of columns rather than each caching its own.
-            if other is not g and type(other) is type(g) is Graph and _same_edges(other, g) \
-                    and layout.num_intervals == p:
-                self._layouts[key] = (g, layout)
-                return layout
-        if self.ordering in (None, "identity"):
-            layout = _GraphColumns(g, balanced_bounds(g, p))
-        else:
-            grid = partition.grid(g.src.cpu().numpy(), g.dst.cpu().numpy(), g.num_nodes,
-                                  num_intervals=p, ordering=self.ordering)
-            layout = _ChunkColumns(grid, g.device, cached=True)
-        # The engine holds the graph while it caches its columns (an engine usually lives for one
-        # ``with`` block), so the id in the key cannot be reused by another graph meanwhile.
-        self._layouts[key] = (g, layout)
-        return layout
+        if key not in self._layouts and create:
+            if self.ordering in (None, "identity"):
+                layout = _GraphColumns(g, balanced_bounds(g, p))
+            else:
+                grid = partition.grid(g.src.cpu().numpy(), g.dst.cpu().numpy(), g.num_nodes,
+                                      num_intervals=p, ordering=self._ordering(g, p))
+                layout = _ChunkColumns(grid, g.device, cached=True)
+            self._layouts[key] = layout
+        return self._layouts.get(key)
 
     # -- running ----------------------------------------------------------------------------------
     def run(self, program, g, vdata: dict, edata: dict):
@@ -486,14 +537,15 @@ class Engine:
             return program.run(g, vdata, edata, checked=True)
         plan = StreamPlan.of(program.ir)
         p = self._num_intervals(program, g)
+        # Before the call: a first call's estimate includes preparing the columns.
+        estimate = None if self._probing else self.estimate(program, g, p)
         layout = self._layout(g, p)
         out = _Run(self, program, plan, g, layout, vdata, edata).execute()
         c_col = int(layout.column_edges.max(initial=0))
         self.last_run = {"num_intervals": p, "columns": int((layout.column_edges > 0).sum()),
                          "column_edges": c_col, "ordering": layout.ordering_method}
         if not self._probing:
-            self.last_run.update(estimate=self.estimate(program, g, p, c_col),
-                                 vertex_bytes=self.vertex_bytes(program, g))
+            self.last_run.update(estimate=estimate, vertex_bytes=self.vertex_bytes(program, g))
         return out
 
 
@@ -519,12 +571,16 @@ class TensorMemory(TorchDispatchMode):
         self._refs.pop(key, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # Views and in-place results share an input's storage: nothing new was allocated.
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.layout == torch.strided}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 st = t.untyped_storage()
                 key, size = st.data_ptr(), st.nbytes()
-                if size == 0 or key in self._live:
+                if size == 0 or key in self._live or key in inputs:
                     continue
                 self._live[key] = size
                 self._refs[key] = weakref.ref(st, lambda _, k=key: self._freed(k))
@@ -536,10 +592,10 @@ class TensorMemory(TorchDispatchMode):
 # The cost probe: a graph this small keeps vertex-level memory negligible next to edge-level.
 _PROBE_NODES = 16
 _PROBE_EDGES = (1024, 4096)
-# Per-call index bytes per edge of a store's column: int64 source ids, int32 destinations and
-# int64 edge ids read from the chunks, their merge, and the CSR and transposed CSR built from
-# them with their sort buffers (measured with TensorMemory plus numpy's share, rounded up).
-_STORE_INDEX = 96
+# Index bytes per edge of preparing one column, at their peak (tests/ngra/test_engine_memory.py
+# checks it): the column's CSR, the edge ids, and the transposed CSR backward builds, with their
+# sort buffers (torch, measured 91), or a store column's arrays read and merged (numpy, 40).
+_INDEX_BYTES = 96
 _probed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -624,6 +680,7 @@ def _is_view(n: Node) -> bool:
 
 
 def _same_edges(a, b) -> bool:
+    """Same vertices and the same edge lists, in the same order."""
     return (a.num_nodes, a.num_edges, a.device) == (b.num_nodes, b.num_edges, b.device) and \
         torch.equal(a.src, b.src) and torch.equal(a.dst, b.dst)
 
@@ -678,17 +735,20 @@ class _Run:
             env.pop(i, None)  # the edge part reads ``vert``; autograd keeps what it needs
         p = self.layout.num_intervals
         tensors = [v for v in vert.values() if isinstance(v, torch.Tensor)]
-        use_ckpt = torch.is_grad_enabled() and (
+        recompute = torch.is_grad_enabled() and (
             any(t.requires_grad for t in tensors)
             or any(t.requires_grad for t in self.edata.values())
             or any(q.requires_grad for q in self.layer.parameters()))
+        replay = recompute and all(_replayable(n) for n in plan.edge)
         columns_out = []
         for j in range(p):
-            fn = lambda *_, j=j, vert=vert: self._column(j, vert)  # noqa: E731
-            if use_ckpt:
+            if replay:
+                outs = _Replay(self, j, vert).forward()
+            elif recompute:  # in-place ops in the edge part: recompute whole columns in order
+                fn = lambda *_, j=j, vert=vert: self._column(j, vert)  # noqa: E731
                 outs = torch.utils.checkpoint.checkpoint(fn, *tensors, use_reentrant=False)
             else:
-                outs = fn()
+                outs = self._column(j, vert)
             columns_out.append(outs)
         self.backward = True
         del vert, tensors
@@ -728,8 +788,20 @@ class _Run:
         """The edge part on column ``j``: the reductions' rows of interval ``j``."""
         # Forward walks the columns up, backward's recomputes walk them down: prefetch accordingly.
         col = self.loader.get(j, j - 1 if self.backward else j + 1)
+        if self.backward:
+            self.layout.backward_done.add(j)
+        env = self._edge_part(col, vert)
+        return tuple(env[id(r)] for r in self.plan.reductions)
+
+    def _edge_part(self, col: _Column, vert: dict, *, upto: int | None = None, watch=None,
+                   keep=()) -> dict:
+        """Evaluate the edge nodes ``0..upto`` (all by default) on column ``col``; returns their
+        values by node id (values no later node reads are dropped, unless ``keep`` holds their
+        index). ``watch``, if given, is told ``watch.node = k`` before node k runs and
+        ``watch.done(k, value)`` after."""
         ops = GraphOps(col.csr, self.engine.backend)
         plan = self.plan
+        nodes = plan.edge if upto is None else plan.edge[:upto + 1]
         env: dict[int, Any] = {}
 
         def load(n):
@@ -738,26 +810,219 @@ class _Run:
         def rows(x, side):  # a vertex operand for the source (all vertices) or destination side
             return x if side == "src" else x[col.dst]
 
-        drops = _drop_schedule(plan.edge, {id(r) for r in plan.reductions})
-        for k, n in enumerate(plan.edge):
+        keep_ids = {id(r) for r in plan.reductions} | {id(nodes[k]) for k in keep}
+        drops = _drop_schedule(nodes, keep_ids)
+        for k, n in enumerate(nodes):
+            if watch is not None:
+                watch.node = k
             if n.op == "input":
-                env[id(n)] = self.edata[n.target[1]].index_select(0, col.eids)
+                value = self.edata[n.target[1]].index_select(0, col.eids)
             elif n.op == "scatter":
                 x = rows(load(n.args[0]), n.target)
-                env[id(n)] = self._eval(n, lambda: ops.scatter(x, n.target))
+                value = self._eval(n, lambda: ops.scatter(x, n.target))
             elif n.op == "gsddmm":
                 u, v, e = n.args
                 uve = (None if u is None else load(u), None if v is None else rows(load(v), "dst"),
                        None if e is None else load(e))
-                env[id(n)] = self._eval(n, lambda: ops.gsddmm(n.target, *uve))
+                value = self._eval(n, lambda: ops.gsddmm(n.target, *uve))
             elif n.op == "gspmm":
                 u, e = n.args
                 ue = (None if u is None else load(u), None if e is None else load(e))
-                env[id(n)] = self._eval(n, lambda: ops.gspmm(*n.target, *ue))
+                value = self._eval(n, lambda: ops.gspmm(*n.target, *ue))
             else:
                 args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
-                env[id(n)] = self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, ops,
-                                                             self.vdata, self.edata))
+                value = self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, ops,
+                                                        self.vdata, self.edata))
+            env[id(n)] = value
+            if watch is not None:
+                watch.done(k, value)
             for dead in drops.get(k, ()):
                 env.pop(dead, None)
-        return tuple(env[id(r)] for r in plan.reductions)
+        return env
+
+
+def _replayable(n: Node) -> bool:
+    """Whether node ``n`` can be re-run on its own to rebuild a value autograd saved: anything
+    but in-place ops (and modules that may be in place), which would change saved values."""
+    if n.op in ("call_function", "call_method"):
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        return not (name.endswith("_") or "out" in n.kwargs or n.kwargs.get("inplace"))
+    if n.op == "call_module":
+        m = n.value
+        pure = isinstance(m, (torch.nn.Linear, torch.nn.Identity, torch.nn.modules.dropout._DropoutNd,
+                              torch.nn.ReLU, torch.nn.LeakyReLU, torch.nn.ELU, torch.nn.GELU,
+                              torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.Softplus, torch.nn.SiLU))
+        return pure and not getattr(m, "inplace", False)
+    return True
+
+
+class _Token:
+    """What autograd keeps for one tensor it saved in a column (see :class:`_Replay`)."""
+
+    __slots__ = ("kind", "tensor", "node", "ordinal", "ptr", "dtype", "size", "stride", "offset",
+                 "attr", "used")
+
+    def __init__(self, kind, t, node, ordinal):
+        self.kind, self.node, self.ordinal, self.used = kind, node, ordinal, False
+        self.tensor = t if kind == "keep" else None
+        self.attr = None
+        self.ptr, self.dtype = t.untyped_storage().data_ptr(), t.dtype
+        self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
+
+
+class _Replay:
+    """Saved-tensor hooks of one column: its edge-level values are not kept for backward but
+    rebuilt when backward first needs them, by re-running the edge part up to the last node
+    whose value (or saved tensor) is needed: never the reductions themselves, whose backward
+    needs only their inputs. (``torch.utils.checkpoint`` would re-run the whole column,
+    reductions included: a custom autograd Function packs its saved tensors only after its
+    forward ran, so checkpointing cannot stop before the kernel.)
+
+    At pack time each saved tensor becomes a :class:`_Token`:
+
+    - ``keep``: tensors that are not the column's own (vertex operands, parameters, edge
+      inputs, the index arrays of cached columns): kept as they are;
+    - ``value``: a view of the output of edge node ``k``: rebuilt as that view of the re-run
+      node's output;
+    - ``index``: an index array of a store's column: read again with the column;
+    - ``saved``: anything else a node saved (a max/min reduction's arg-max): re-run through
+      that node under autograd, capturing its saved tensors by position.
+
+    Random ops replay with the random state the column started with. When every token has been
+    unpacked, the rebuilt values are dropped.
+    """
+
+    def __init__(self, run: _Run, j: int, vert: dict):
+        self.run, self.j, self.vert = run, j, vert
+        self.node = -1
+        self.ordinal: dict[int, int] = {}
+        self.tokens: list[_Token] = []
+        self.outputs: dict[int, tuple] = {}  # live storage -> (node, dtype, weakref)
+        self.col = None
+        self.values = self.saves = None
+        self.pending = 0
+        dev = run.device
+        self.rng = (torch.get_rng_state(),
+                    torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+        own = [t for t in vert.values() if isinstance(t, torch.Tensor)]
+        own += [*run.edata.values(), *run.layer.parameters(), *run.layer.buffers()]
+        self.keep = {t.untyped_storage().data_ptr() for t in own}
+
+    def forward(self):
+        run = self.run
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            self.col = run.loader.get(self.j, self.j + 1)
+            env = run._edge_part(self.col, self.vert, watch=self)
+        self.col = None  # a store's column is read again if backward needs its index arrays
+        self.node = -1
+        return tuple(env[id(r)] for r in run.plan.reductions)
+
+    def done(self, k: int, value) -> None:
+        if isinstance(value, torch.Tensor) and value.layout == torch.strided and value.numel():
+            st = value.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr not in self.outputs:  # a view keeps its base's node
+                # Forgotten when the storage is freed: its address may then be reused.
+                self.outputs[ptr] = (k, value.dtype, weakref.ref(st, lambda _, p=ptr:
+                                                                  self.outputs.pop(p, None)))
+            for tok in self.tokens:  # what node k saved of its own output is a value too
+                if tok.kind == "saved" and tok.node == k and tok.ptr == ptr \
+                        and tok.dtype == value.dtype:
+                    tok.kind = "value"
+        for tok in self.tokens:
+            if tok.node == k:
+                tok.tensor = None  # held through node k only, so that addresses stay unique
+
+    def _index_attr(self, ptr: int):
+        col = self.col
+        for attr, t in (("indptr", col.csr.indptr), ("indices", col.csr.indices),
+                        ("eids", col.csr.eids), ("col_eids", col.eids)):
+            if t.numel() and t.untyped_storage().data_ptr() == ptr:
+                return attr
+        return None
+
+    def pack(self, t):
+        k = self.node
+        ordinal = self.ordinal[k] = self.ordinal.get(k, -1) + 1
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0:
+            return _Token("keep", t, k, ordinal) if isinstance(t, torch.Tensor) else t
+        ptr = t.untyped_storage().data_ptr()
+        hit = self.outputs.get(ptr)
+        if hit is not None and hit[1] == t.dtype:
+            tok = _Token("value", t, hit[0], ordinal)
+            tok.tensor = None
+        elif ptr in self.keep:
+            tok = _Token("keep", t, k, ordinal)
+        elif (attr := self._index_attr(ptr)) is not None:
+            tok = _Token("keep" if self.run.layout.cached else "index", t, k, ordinal)
+            tok.attr = attr
+        else:
+            tok = _Token("saved", t, k, ordinal)
+            tok.tensor = t  # until node k is done (see done())
+        if tok.kind != "keep":
+            self.tokens.append(tok)
+            self.pending += 1
+        return tok
+
+    def unpack(self, tok):
+        if not isinstance(tok, _Token):
+            return tok
+        if tok.kind == "keep":
+            return tok.tensor
+        if self.values is None:
+            self._rebuild()
+        if tok.kind == "index":
+            t = self.col.eids if tok.attr == "col_eids" else getattr(self.col.csr, tok.attr)
+        elif tok.kind == "value":
+            t = self.values[tok.node].as_strided(tok.size, tok.stride, tok.offset)
+        else:
+            t = self.saves[(tok.node, tok.ordinal)]
+        if not tok.used:
+            tok.used = True
+            self.pending -= 1
+            if self.pending == 0:  # the column's backward has everything: let it all go
+                self.values = self.saves = self.col = None
+        return t
+
+    def _rebuild(self) -> None:
+        """Re-run the column's edge part up to the last node a token needs."""
+        run = self.run
+        self.col = run.loader.get(self.j, self.j - 1)
+        run.layout.backward_done.add(self.j)
+        values = {tok.node for tok in self.tokens if tok.kind == "value"}
+        saves = {(tok.node, tok.ordinal) for tok in self.tokens if tok.kind == "saved"}
+        upto = max((tok.node for tok in self.tokens if tok.kind in ("value", "saved")), default=-1)
+        self.values, self.saves = {}, {}
+        if upto < 0:
+            return
+        rebuild = self
+
+        class Capture:
+            node = -1
+            ordinal: dict = {}
+
+            def done(self, k, value):
+                if k in values:
+                    rebuild.values[k] = value
+
+            def pack(self, t):
+                k = self.node
+                o = self.ordinal[k] = self.ordinal.get(k, -1) + 1
+                if (k, o) in saves:
+                    rebuild.saves[(k, o)] = t
+                return t
+
+        cap = Capture()
+        cpu, cuda = self.rng
+        devices = [run.device.index or 0] if cuda is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, run.device)
+            if saves:  # saved tensors only exist where autograd records
+                with torch.enable_grad(), \
+                        torch.autograd.graph.saved_tensors_hooks(cap.pack, lambda t: t):
+                    run._edge_part(self.col, self.vert, upto=upto, watch=cap)
+            else:
+                with torch.no_grad():
+                    run._edge_part(self.col, self.vert, upto=upto, watch=cap)
