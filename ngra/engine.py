@@ -32,35 +32,44 @@ column, not the chunk, is the unit of edge-level memory.
 
 Memory and backward
 -------------------
-Each column runs under activation checkpointing (``torch.utils.checkpoint``, non-reentrant):
-nothing edge-sized is kept between columns; backward recomputes one column at a time, in
-reverse column order, and runs the column's kernel gradients. The edge-level working set is
-therefore one column's edge values, their gradients and its index arrays
-(:meth:`Engine.estimate`); vertex-level data (features, lifted projections, gathered
-results and their gradients) stays resident (:meth:`Engine.vertex_bytes`).
+Nothing edge-sized is kept from one column to the next. Backward rebuilds a column's edge
+values when it reaches the column (in reverse column order) and runs the column's kernel
+gradients on them. The rebuilding is done by saved-tensor hooks (:class:`_Replay`): autograd
+keeps a token instead of each edge-level tensor it saves, and the first token unpacked re-runs
+the column's edge part up to the last node whose value is needed (a GAT column re-runs its
+scores, leaky ReLU and edge softmax, not the weighted sum: a reduction's backward needs its
+inputs, not its output). Random ops replay with the column's random state. An edge part with
+in-place ops, which would change values after they were saved, falls back to
+``torch.utils.checkpoint`` (the whole column re-run). So the edge-level working set is one
+column's edge values, their gradients and, while columns are still being prepared, its index
+arrays (:meth:`Engine.estimate`); vertex-level data (features, lifted projections, gathered
+results and their gradients) stays resident (:meth:`Engine.vertex_bytes`); pre and post values
+are dropped after their last reader, as in the in-memory executor.
 
 Backward order: NGra streams backward row by row (source interval ``i`` resident, its out-edges
 streaming in), so that a source's gradient is accumulated while its row is loaded. Here every
 vertex-level gradient buffer is resident anyway, so the order in which columns add into it does
-not change memory; what matters is that per-destination quantities of backward (the gradient of
-a column's gathered values, the softmax term ``sum_k y_k dy_k`` over a destination's in-edges)
-are complete before the edges that need them, which a column-at-a-time recompute gives without
-an extra pass. Inside a column, gradients to sources run source-major over the column's
-transposed CSR (row order within the column), and the recompute of column ``j - 1`` is
-prefetched while column ``j`` runs backward.
+not change memory; what matters is that the per-destination quantities of backward (the
+gradient of a column's gathered rows, the softmax term ``sum_k y_k dy_k`` over a destination's
+in-edges) are complete before the edges that need them, which a column at a time gives without
+a second pass. Row order is kept where it matters, inside a column: gradients to sources run
+source-major over the column's transposed CSR. So column order is equivalent in memory and
+cheaper in passes.
 
 Where the columns come from
 ---------------------------
 - an in-memory graph in its own vertex order: column ``j`` is rows ``bounds[j]:bounds[j+1]`` of
   the graph's destination CSR (``Graph.in_csr()``, which the in-memory executor builds too),
-  i.e. views, no copy and no sort;
+  sliced without a sort of the graph;
 - a reordered graph (``ordering="rcm"`` / ``"metis"``): the chunks of ``partition.grid``, merged
-  per column once;
-- a chunk store: the column's chunks read from disk at every pass (forward, and the recompute
-  in backward), on a prefetch thread that loads the next column while this one computes.
+  per column;
+- a chunk store: the column's chunks read from disk at every pass (forward, and the rebuilding
+  in backward), on a prefetch thread that loads the next column while this one computes (in
+  backward, the column before).
 
-Prepared columns of in-memory graphs (CSR slice, its transpose once backward built it) are
-cached by the engine for later calls, as the graph caches its own CSR; a store's are not.
+Columns of in-memory graphs (their CSR, and the transposed CSR the kernels cache on it in
+backward) are prepared by the first calls and cached by the engine, as the graph caches its own
+CSR; graphs with equal edge lists share them. A store's columns are never kept.
 """
 
 from __future__ import annotations
@@ -182,6 +191,7 @@ class _Column:
     dst: slice
     csr: Any
     eids: torch.Tensor
+    transposed: bool = False  # its transposed CSR (for backward) is built and cached on ``csr``
 
 
 class _GraphColumns:
@@ -191,20 +201,20 @@ class _GraphColumns:
     cached = True
     identity = True
 
-    def __init__(self, g, bounds: np.ndarray):
+    def __init__(self, g, bounds: np.ndarray, cum_degrees: np.ndarray):
         self.g, self.bounds = g, bounds
         self.num_intervals = len(bounds) - 1
         self._cols: dict[int, _Column] = {}
-        self.backward_done: set[int] = set()
-        deg = np.concatenate([[0], np.cumsum(g.in_degrees().cpu().numpy())])
-        self.column_edges = np.diff(deg[bounds]).astype(np.int64)
+        self.column_edges = np.diff(cum_degrees[bounds]).astype(np.int64)
 
     def prepared(self, *, backward: bool) -> bool:
-        """Every column built and, if ``backward``, through a backward once (the kernels then
-        cache its transposed CSR on it): a call makes no index arrays any more."""
+        """Every column built and, if ``backward``, its transposed CSR too: a call makes no
+        index arrays any more."""
         return _prepared(self, backward)
 
-    def column(self, j: int) -> _Column:
+    def column(self, j: int, transpose: bool = False) -> _Column:
+        """Column ``j``, built on first use; ``transpose``: with its transposed CSR, which the
+        kernels' backward uses (built here once rather than lazily in a backward)."""
         col = self._cols.get(j)
         if col is None:
             import kernels
@@ -225,7 +235,7 @@ class _GraphColumns:
             csr = kernels.CSR(ptr - lo, full.indices[lo:hi].to(idx), rank.to(idx),
                               self.g.num_nodes, b - a)
             col = self._cols[j] = _Column(j, slice(a, b), csr, eids[order])
-        return col
+        return _transposed(col) if transpose else col
 
 
 class _ChunkColumns:
@@ -242,19 +252,22 @@ class _ChunkColumns:
         self.inv = None if self.identity else np.array(source.ordering.inv, dtype=np.int64)
         self.column_edges = np.asarray(source.counts, dtype=np.int64).sum(0)
         self._cols: dict[int, _Column] = {}
-        self.backward_done: set[int] = set()
 
     def prepared(self, *, backward: bool) -> bool:
         """See :meth:`_GraphColumns.prepared`; a store's columns are never kept."""
         return self.cached and _prepared(self, backward)
 
-    def column(self, j: int) -> _Column:
+    def column(self, j: int, transpose: bool = False) -> _Column:
+        """See :meth:`_GraphColumns.column`. A store's column is read at every call, and its
+        transposed CSR left to the kernels: their backward rebuilds the CSR from the tensors
+        it saved, so one built here would not be the one they use."""
         col = self._cols.get(j)
         if col is None:
             col = self._load(j)
-            if self.cached:
-                self._cols[j] = col
-        return col
+            if not self.cached:
+                return col
+            self._cols[j] = col
+        return _transposed(col) if transpose else col
 
     def _load(self, j: int) -> _Column:
         import kernels
@@ -289,26 +302,35 @@ class _ChunkColumns:
 
 def _prepared(columns, backward: bool) -> bool:
     p = columns.num_intervals
-    return len(columns._cols) == p and (not backward or len(columns.backward_done) == p)
+    return len(columns._cols) == p and (not backward or all(c.transposed
+                                                            for c in columns._cols.values()))
+
+
+def _transposed(col: _Column) -> _Column:
+    if not col.transposed:
+        col.csr.transpose()  # cached on the CSR
+        col.transposed = True
+    return col
 
 
 class _Loader:
     """Hands out columns; with ``prefetch`` it loads the next one on a background thread."""
 
-    def __init__(self, columns, prefetch: bool):
+    def __init__(self, columns, prefetch: bool, transpose: bool):
         self.columns = columns
         self.prefetch = prefetch and not columns.cached
+        self.transpose = transpose
         self._pool = None
         self._pending: dict[int, concurrent.futures.Future] = {}
 
     def get(self, j: int, then: int | None) -> _Column:
         fut = self._pending.pop(j, None)
-        col = fut.result() if fut is not None else self.columns.column(j)
+        col = fut.result() if fut is not None else self.columns.column(j, self.transpose)
         if self.prefetch and then is not None and 0 <= then < self.columns.num_intervals \
                 and then not in self._pending:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-            self._pending[then] = self._pool.submit(self.columns.column, then)
+            self._pending[then] = self._pool.submit(self.columns.column, then, self.transpose)
         return col
 
 
@@ -351,13 +373,17 @@ class Engine:
         if store is not None and not isinstance(store, partition.ChunkStore):
             store = partition.ChunkStore.open(store)
         self.store = store
+        methods = partition.ordering.METHODS
+        if not (ordering is None or isinstance(ordering, partition.Ordering) or ordering in methods):
+            raise ValueError(f"ordering must be one of {', '.join(map(repr, methods))} or a "
+                             f"partition.Ordering (got {ordering!r})")
         self.ordering = ordering
         self.prefetch = bool(prefetch)
         self.backend = backend
         self.last_run: dict = {}
         self._layouts: dict = {}  # (id of a graph, P) -> its columns
         self._canon: dict = {}  # id of a graph -> (graph, the graph whose columns it shares)
-        self._orderings: dict = {}  # orderings and column sizes of reordered layouts
+        self._orderings: dict = {}  # per graph: orderings, degrees, column sizes for each P
         self._tokens: list = []
         self._probing = False  # an engine inside the cost probe reports no estimate
 
@@ -434,21 +460,31 @@ class Engine:
         return int(per_vertex * g.num_nodes + per_edge * g.num_edges)
 
     def _column_edges(self, g, p: int) -> np.ndarray:
-        """In-edges of each destination column [P] for the layout a call with P would use."""
+        """In-edges of each destination column [P] for the layout a call with P would use
+        (cached: a budget's search asks for several P at every call)."""
         if self.store is not None:
             return np.asarray(self.store.counts, dtype=np.int64).sum(0)
         g = self._canonical(g)
-        if self.ordering in (None, "identity"):
-            if g.num_edges == 0:
-                return np.zeros(p, dtype=np.int64)
-            deg = np.concatenate([[0], np.cumsum(g.in_degrees().cpu().numpy())])
-            return np.diff(deg[balanced_bounds(g, p)]).astype(np.int64)
         key = (id(g), p, "column_edges")
-        if key not in self._orderings:
+        if key in self._orderings:
+            return self._orderings[key]
+        if self.ordering in (None, "identity"):
+            cum = self._cum_degrees(g)
+            counts = np.diff(cum[balanced_bounds(g, p, cum)]).astype(np.int64)
+        else:
             order = self._ordering(g, p)
             bounds = interval_bounds(g.num_nodes, p, order)
             new_dst = order.relabel_array(g.dst.cpu().numpy())
-            self._orderings[key] = np.bincount(interval_of(new_dst, bounds), minlength=p)
+            counts = np.bincount(interval_of(new_dst, bounds), minlength=p).astype(np.int64)
+        self._orderings[key] = counts
+        return counts
+
+    def _cum_degrees(self, g) -> np.ndarray:
+        """[N+1] int64: in-edges of the vertices before each vertex id (cached per graph)."""
+        key = (id(g), "cum_degrees")
+        if key not in self._orderings:
+            deg = g.in_degrees().cpu().numpy() if g.num_edges else np.zeros(g.num_nodes, np.int64)
+            self._orderings[key] = np.concatenate([[0], np.cumsum(deg)]).astype(np.int64)
         return self._orderings[key]
 
     def _num_intervals(self, program, g) -> int:
@@ -520,7 +556,8 @@ class Engine:
         key = (id(g), p)
         if key not in self._layouts and create:
             if self.ordering in (None, "identity"):
-                layout = _GraphColumns(g, balanced_bounds(g, p))
+                cum = self._cum_degrees(g)
+                layout = _GraphColumns(g, balanced_bounds(g, p, cum), cum)
             else:
                 grid = partition.grid(g.src.cpu().numpy(), g.dst.cpu().numpy(), g.num_nodes,
                                       num_intervals=p, ordering=self._ordering(g, p))
@@ -685,7 +722,7 @@ def _same_edges(a, b) -> bool:
         torch.equal(a.src, b.src) and torch.equal(a.dst, b.dst)
 
 
-def balanced_bounds(g, p: int) -> np.ndarray:
+def balanced_bounds(g, p: int, cum: np.ndarray | None = None) -> np.ndarray:
     """Interval bounds [P+1] over vertex ids that give each destination interval about E / P
     in-edges (a vertex is never split, so one vertex with a huge in-degree keeps its column big).
 
@@ -695,7 +732,8 @@ def balanced_bounds(g, p: int) -> np.ndarray:
     n, e = g.num_nodes, g.num_edges
     if e == 0 or p <= 1:
         return (np.arange(p + 1, dtype=np.int64) * n) // max(p, 1)
-    cum = np.concatenate([[0], np.cumsum(g.in_degrees().cpu().numpy())])
+    if cum is None:  # [N+1]: in-edges of the vertices before each id
+        cum = np.concatenate([[0], np.cumsum(g.in_degrees().cpu().numpy())])
     targets = (np.arange(p + 1, dtype=np.int64) * e) // p
     bounds = np.searchsorted(cum, targets, side="left").astype(np.int64)
     bounds[0], bounds[-1] = 0, n
@@ -715,7 +753,7 @@ class _Run:
         if not self.identity:
             self.perm = torch.from_numpy(layout.perm).to(self.device)
             self.inv = torch.from_numpy(layout.inv).to(self.device)
-        self.loader = _Loader(layout, engine.prefetch)
+        self.loader = None  # made in execute(), which knows whether backward will follow
         self.backward = False  # set once forward is done: later column runs are recomputes
 
     def execute(self):
@@ -740,6 +778,7 @@ class _Run:
             or any(t.requires_grad for t in self.edata.values())
             or any(q.requires_grad for q in self.layer.parameters()))
         replay = recompute and all(_replayable(n) for n in plan.edge)
+        self.loader = _Loader(self.layout, self.engine.prefetch, transpose=recompute)
         columns_out = []
         for j in range(p):
             if replay:
@@ -788,8 +827,6 @@ class _Run:
         """The edge part on column ``j``: the reductions' rows of interval ``j``."""
         # Forward walks the columns up, backward's recomputes walk them down: prefetch accordingly.
         col = self.loader.get(j, j - 1 if self.backward else j + 1)
-        if self.backward:
-            self.layout.backward_done.add(j)
         env = self._edge_part(col, vert)
         return tuple(env[id(r)] for r in self.plan.reductions)
 
@@ -988,7 +1025,6 @@ class _Replay:
         """Re-run the column's edge part up to the last node a token needs."""
         run = self.run
         self.col = run.loader.get(self.j, self.j - 1)
-        run.layout.backward_done.add(self.j)
         values = {tok.node for tok in self.tokens if tok.kind == "value"}
         saves = {(tok.node, tok.ordinal) for tok in self.tokens if tok.kind == "saved"}
         upto = max((tok.node for tok in self.tokens if tok.kind in ("value", "saved")), default=-1)

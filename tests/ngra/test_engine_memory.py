@@ -174,7 +174,8 @@ def test_column_index_bytes_stay_under_the_allowance(tmp_path):
         assert numpy_peak <= engine_mod._INDEX_BYTES * c
     g = ngra.Graph(src, dst, n)
     g.in_csr()  # the graph's own CSR, which the in-memory executor builds too
-    columns = engine_mod._GraphColumns(g, engine_mod.balanced_bounds(g, 4))
+    cum = np.concatenate([[0], np.cumsum(g.in_degrees().numpy())])
+    columns = engine_mod._GraphColumns(g, engine_mod.balanced_bounds(g, 4), cum)
     gc.collect()
     with TensorMemory() as tm:
         col = columns.column(1)
