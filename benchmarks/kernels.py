@@ -3,7 +3,9 @@ formulations, PyG, torch-scatter and DGL, measured side by side in one run.
 
 For each graph (uniform random and R-MAT, saved as .npy so that DGL's separate environment times
 the very same edges) and feature size F, every method is timed best-of-N, forward and backward
-separately. The machine's copy bandwidth is measured in the same run (a large tensor copy), and
+separately. The methods take turns within each round (DGL too: a worker process in .venv-dgl
+times one call per command), so that all of them see the same spells of load on a shared
+machine. The machine's copy bandwidth is measured in the same run (a large tensor copy), and
 each forward kernel reports the fraction of it that it reaches under the fused traffic model:
 
     gspmm          E * (index + F * itemsize) + num_dst * F * itemsize bytes
@@ -16,11 +18,13 @@ each forward kernel reports the fraction of it that it reaches under the fused t
 Outputs: a table on stdout, ``kernels.csv`` and ``kernels.png`` in ``--out`` (default
 results/kernels/). Sizes: ``--quick`` (small, a couple of minutes), default (the anchor
 200K-vertex / 3M-edge uniform graph and an R-MAT graph of similar size), ``--full`` (adds R-MAT
-scale 21: 2.1M vertices, 33.5M edges). Timings on a shared machine are noisy: best-of-N is
-reported, and only ratios measured in the same run should be compared.
+scale 21: 2.1M vertices, 33.5M edges). A timed run whose estimated memory (what the process
+holds plus the run's tensors) exceeds ``--mem-gib`` (default 10 GiB) is skipped, with the reason
+in the table. Timings on a shared machine are noisy: best-of-N is reported with the load
+average, and only ratios measured in the same run should be compared.
 
     .venv/bin/python benchmarks/kernels.py --quick
-    .venv/bin/python benchmarks/kernels.py --full --reps 3
+    .venv/bin/python benchmarks/kernels.py --full --reps 3 --large-reps 1 --sweep
 """
 
 from __future__ import annotations
@@ -111,14 +115,17 @@ def save_graph(path: Path, src, dst, n):
 # timing
 
 def best_ms(fn, reps, setup=None):
-    """Best wall time of ``fn(setup())`` over ``reps`` runs after one warm-up (setup untimed)."""
-    fn(setup() if setup else None)
+    """Best wall time of ``fn(setup())`` over ``reps`` runs after one warm-up (setup untimed).
+    Each run's inputs are dropped before the next are built, so two sets never coexist."""
     times = []
-    for _ in range(reps):
+    for i in range(reps + 1):
         a = setup() if setup else None
         t0 = time.perf_counter()
         fn(a)
-        times.append(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        del a
+        if i:
+            times.append(dt)
     return 1e3 * min(times)
 
 
@@ -132,14 +139,32 @@ def copy_bandwidth(reps):
     return 2 * n * 4 / (ms * 1e-3)
 
 
-def available_bytes():
+def rss_bytes():
+    """Resident set size of this process (Linux /proc; 0 where unavailable)."""
     try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def case_bytes(case, n, e, materialized):
+    """Memory a timed run adds on top of what the process already holds: vertex tensors
+    [n, F] (inputs, output; in backward also the output gradient and input gradients), edge
+    tensors, and for methods that materialize messages the [E, F] message tensors (forward:
+    messages and their product; backward: also their gradients)."""
+    f = case["F"]
+    vert, edge_f = n * f * ITEM, e * f * ITEM
+    bwd = case["pass"] == "bwd"
+    if case["kernel"] == "edge_softmax":
+        return edge_f * (4 if bwd else 2)
+    b = (4 if bwd else 2) * vert
+    if case["kernel"] == "gsddmm" or case["op"] == "u_mul_e":
+        b += e * ITEM * (2 if bwd else 1)  # per-edge scores or weights
+    if case["op"] == "copy_e":
+        b += edge_f * (2 if bwd else 1)
+    if materialized:
+        b += (3 if bwd else 2) * edge_f
+    return b
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,7 +178,7 @@ def traffic_bytes(kernel, n, e, f, idx_bytes):
     return e * (idx_bytes + 2 * f * ITEM)
 
 
-def make_inputs(case, n, e, grad):
+def make_inputs(case, n, e):
     gen = torch.Generator().manual_seed(0)
     f = case["F"]
     x = {}
@@ -169,8 +194,6 @@ def make_inputs(case, n, e, grad):
         x["v"] = torch.randn(n, f, generator=gen)
     else:
         x["s"] = torch.randn(e, f, generator=gen)
-    for t in x.values():
-        t.requires_grad_(grad)
     return x
 
 
@@ -237,23 +260,156 @@ def materializes(method):
     return method not in ("ngra-numba", "torch.sparse.mm", "DGL")
 
 
-def time_method(fn, case, n, e, reps):
+def skip_reason(need, held, limit):
+    if held + need <= limit:
+        return None
+    return (f"skipped: needs ~{need / 2**30:.1f} GiB on top of {held / 2**30:.1f} GiB held "
+            f"(limit {limit / 2**30:.0f} GiB, --mem-gib)")
+
+
+def local_runner(fn, case, x):
+    """A callable timing one call of ``fn`` on the case's shared inputs ``x``: the forward under
+    no_grad, or for backward a fresh forward (untimed) and the timed backward on new leaves
+    sharing x's storage."""
     if case["pass"] == "fwd":
-        x = make_inputs(case, n, e, grad=False)
-        with torch.no_grad():
-            return best_ms(lambda _: fn(x), reps)
+        def run():
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                fn(x)
+                return time.perf_counter() - t0
+    else:
+        def run():
+            leaves = {k: v.detach().requires_grad_() for k, v in x.items()}
+            out = fn(leaves)
+            grad = torch.ones_like(out)
+            t0 = time.perf_counter()
+            out.backward(grad)
+            return time.perf_counter() - t0
+    return run
 
-    def setup():
-        x = make_inputs(case, n, e, grad=True)
-        out = fn(x)
-        return out, torch.ones_like(out)
 
-    return best_ms(lambda a: a[0].backward(a[1]), reps, setup)
+def interleaved_best_ms(runners, reps):
+    """Best of ``reps`` timed rounds (after a warm-up round) per method, the methods taking turns
+    within each round, so every method sees the same spells of load on a shared machine.
+    Returns {method: ms, or an error string}."""
+    best = {m: float("inf") for m in runners}
+    live = dict(runners)
+    for r in range(reps + 1):
+        for m, run in list(live.items()):
+            try:
+                dt = run()
+            except Exception as err:  # record and continue: one failing baseline
+                best[m] = f"error: {type(err).__name__}: {str(err)[:80]}"
+                del live[m]
+                continue
+            if r:
+                best[m] = min(best[m], dt)
+    return {m: 1e3 * v if isinstance(v, float) else v for m, v in best.items()}
+
+
+class DGLWorker:
+    """benchmarks/kernels_dgl.py in .venv-dgl, driven one timed call at a time."""
+
+    def __init__(self, threads, log_path):
+        self.proc, self.reason, self.rss, self.note = None, None, 0, None
+        if not DGL_PYTHON.exists():
+            self.reason = f"not available ({DGL_PYTHON} does not exist)"
+            return
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [str(DGL_PYTHON), str(REPO / "benchmarks" / "kernels_dgl.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env=dict(os.environ, DGLBACKEND="pytorch"))
+        try:
+            hello = self._read()
+            self.note = f"DGL {hello['versions']['dgl']} on torch {hello['versions']['torch']}"
+            self.call(cmd="threads", n=threads)
+        except RuntimeError:
+            pass  # self.reason says why
+
+    def _read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            self.reason = (f"worker exited with code {self.proc.wait()}; see "
+                           f"{Path(self.log.name).name}")
+            raise RuntimeError(self.reason)
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        self.rss = reply.get("rss", self.rss)
+        return reply
+
+    def call(self, **msg):
+        if self.reason:
+            raise RuntimeError(self.reason)
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait()
+
+
+def time_case(case, fns, dgl, reps, limit):
+    """Time every applicable method of one case, side by side.
+
+    ``fns``: {method: fn(inputs) -> output, or a reason string}; ``dgl``: a DGLWorker with the
+    case's graph loaded, or None. A method whose estimated memory (on top of what this process
+    and the DGL worker hold) exceeds ``limit`` is skipped with the reason. DGL takes its turns
+    among the others when both processes' case tensors fit at once, else it runs alone after
+    them. Returns ({method: ms or reason}, whether DGL ran interleaved).
+    """
+    n, e = case["N"], case["E"]
+    held = rss_bytes()
+    dgl_ok = dgl is not None and not dgl.reason
+    other = dgl.rss if dgl_ok else 0
+    out = {m: fn for m, fn in fns.items() if isinstance(fn, str)}
+    needs = {}
+    for m, fn in fns.items():
+        if callable(fn):
+            needs[m] = case_bytes(case, n, e, materializes(m))
+            reason = skip_reason(needs[m], held + other, limit)
+            if reason:
+                out[m] = reason
+    x = make_inputs(case, n, e) if len(needs) > len(out.keys() & needs.keys()) else {}
+    local = {m: local_runner(fns[m], case, x) for m in needs if m not in out}
+    dgl_need = case_bytes(case, n, e, False)
+    interleaved = dgl_ok and held + other + max(needs.values(), default=0) + dgl_need <= limit
+    if interleaved:
+        try:
+            dgl.call(cmd="prepare", case=case)
+            local["DGL"] = lambda: dgl.call(cmd="run")["s"]
+        except RuntimeError as err:
+            out["DGL"] = f"error: {err}"
+    out.update(interleaved_best_ms(local, reps))
+    del local, x
+    if dgl_ok and not interleaved:
+        reason = skip_reason(dgl_need, held + other, limit)
+        if reason:
+            out["DGL"] = reason
+        else:
+            try:
+                dgl.call(cmd="prepare", case=case)
+                out.update(interleaved_best_ms({"DGL": lambda: dgl.call(cmd="run")["s"]}, reps))
+            except RuntimeError as err:
+                out["DGL"] = f"error: {err}"
+    if dgl is not None and not dgl.reason:
+        try:
+            dgl.call(cmd="release")
+        except RuntimeError:
+            pass
+    if dgl is not None and dgl.reason and "DGL" not in out:
+        out["DGL"] = f"not available ({dgl.reason})"
+    order = list(fns) + ["DGL"]
+    return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]))), interleaved
 
 
 # ----------------------------------------------------------------------------------------------
 
-def build_cases(args, graph_name, graph_dir, n, e):
+def build_cases(args, graph_name, graph_dir, n, e, largest):
     cases = []
     feats = [16, 64] if args.quick else [16, 64, 256]
     if args.feats:
@@ -266,7 +422,7 @@ def build_cases(args, graph_name, graph_dir, n, e):
             cases.append(dict(kernel="gsddmm", op="u_dot_v", reduce="-", F=f, **{"pass": p}))
     for p in ("fwd", "bwd"):
         cases.append(dict(kernel="edge_softmax", op="-", reduce="-", F=1, **{"pass": p}))
-    if args.sweep and graph_name.startswith("uniform"):
+    if args.sweep and (graph_name.startswith("uniform") or largest):
         # every op x reducer once, forward, F = 64 (the anchor configuration)
         done = {(c["op"], c["reduce"]) for c in cases if c["F"] == 64 and c["pass"] == "fwd"}
         for op in ("copy_u", "copy_e", "u_add_e", "u_sub_e", "u_mul_e", "u_div_e"):
@@ -277,23 +433,6 @@ def build_cases(args, graph_name, graph_dir, n, e):
         c["graph"], c["graph_dir"], c["N"], c["E"] = graph_name, str(graph_dir), n, e
         c["key"] = f"{graph_name}|{c['kernel']}|{c['op']}|{c['reduce']}|F{c['F']}|{c['pass']}"
     return cases
-
-
-def run_dgl(cases, reps, workdir):
-    if not DGL_PYTHON.exists():
-        return None, f"DGL: not available ({DGL_PYTHON} does not exist)"
-    spec = {"threads": torch.get_num_threads(), "reps": reps, "cases": cases}
-    cpath, opath = workdir / "dgl_cases.json", workdir / "dgl_results.json"
-    json.dump(spec, open(cpath, "w"))
-    env = dict(os.environ, DGLBACKEND="pytorch")
-    proc = subprocess.run([str(DGL_PYTHON), str(REPO / "benchmarks" / "kernels_dgl.py"),
-                           "--cases", str(cpath), "--out", str(opath)],
-                          capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return None, f"DGL: not available (worker failed: {' | '.join(tail)})"
-    res = json.load(open(opath))
-    return res["results"], f"DGL {res['versions']['dgl']} on torch {res['versions']['torch']}"
 
 
 def jit_compile_times():
@@ -360,11 +499,18 @@ def main():
     size.add_argument("--full", action="store_true", help="also R-MAT scale 21 (2.1M / 33.5M)")
     ap.add_argument("--reps", type=int, default=None, help="timed runs per method (best is kept)")
     ap.add_argument("--sweep", action="store_true",
-                    help="also every gspmm op x reducer (forward, F=64) on the uniform graph")
+                    help="also every gspmm op x reducer (forward, F=64) on the uniform graph and "
+                         "on the largest graph of the run")
+    ap.add_argument("--large-reps", type=int, default=None,
+                    help="timed runs per method on graphs of more than 10M edges (default: "
+                         "--reps); a warm-up run always comes first")
     ap.add_argument("--no-dgl", action="store_true", help="skip the DGL subprocess")
     ap.add_argument("--graphs", default="",
                     help="comma list of graph kinds or names to keep (e.g. uniform, rmat)")
     ap.add_argument("--feats", default="", help="comma list of feature sizes (e.g. 64)")
+    ap.add_argument("--mem-gib", type=float, default=10.0,
+                    help="skip (and say so) any timed run whose estimated peak memory, on top of "
+                         "what the process holds, exceeds this (default 10 GiB)")
     ap.add_argument("--out", default=str(REPO / "results" / "kernels"))
     args = ap.parse_args()
     reps = args.reps or (3 if args.quick else 5)
@@ -376,17 +522,22 @@ def main():
     try:
         import torch_geometric.nn as pyg_nn
         import torch_geometric.utils as pyg_utils
+
+        pyg = {"pyg": {r: _pyg_conv(pyg_nn, r) for r in ("sum", "mean", "max", "min")},
+               "pyg_softmax": pyg_utils.softmax}
     except ImportError as err:
-        pyg_nn = pyg_utils = None
-        pyg_reason = f"not installed ({err})"
+        pyg = {"pyg_reason": f"not installed ({err})"}
     try:
         import torch_scatter
     except ImportError:
         torch_scatter = None
+    pyg["torch_scatter"] = torch_scatter
 
     bw = copy_bandwidth(reps)
-    print(f"threads: {threads}; copy bandwidth (512 MiB tensor copy, read + write, best of "
-          f"{reps}): {bw / 1e9:.1f} GB/s")
+    load0 = os.getloadavg()
+    print(f"threads: {threads}; load average {load0[0]:.1f} {load0[1]:.1f} {load0[2]:.1f} (the "
+          f"machine is shared: compare only ratios within this run); copy bandwidth (512 MiB "
+          f"tensor copy, read + write, best of {reps}): {bw / 1e9:.1f} GB/s")
     jit = jit_compile_times()
     print("numba first-call time of all benchmarked kernels: " +
           ", ".join(f"{k}: {v:.1f} s" if isinstance(v, float) else f"{k}: {v}"
@@ -395,61 +546,73 @@ def main():
     rows = []
     all_cases = []
     graphs = {}
-    for gname, make in graph_specs(args):
+    specs = graph_specs(args)
+    for i, (gname, make) in enumerate(specs):
         t0 = time.perf_counter()
         src, dst, n = make()
         gdir = out_dir / "graphs" / gname
         save_graph(gdir, src, dst, n)
         graphs[gname] = (gdir, n, len(src))
         print(f"graph {gname}: {n} vertices, {len(src)} edges ({time.perf_counter() - t0:.1f} s)")
-        all_cases += build_cases(args, gname, gdir, n, len(src))
+        all_cases += build_cases(args, gname, gdir, n, len(src), largest=i == len(specs) - 1)
+        del src, dst
+    for c in all_cases:
+        c["reps"] = args.large_reps if args.large_reps and c["E"] > 10_000_000 else reps
 
-    dgl_results, dgl_note = (None, "DGL: skipped (--no-dgl)") if args.no_dgl else (None, None)
+    limit = int(args.mem_gib * 2**30)
+    dgl, dgl_note = None, "DGL: skipped (--no-dgl)"
     if not args.no_dgl:
-        print("running the DGL half in .venv-dgl ...", flush=True)
-        dgl_results, dgl_note = run_dgl(all_cases, reps, out_dir)
-    print(dgl_note)
+        dgl = DGLWorker(threads, out_dir / "dgl_worker.log")
+        dgl_note = dgl.note if not dgl.reason else f"DGL: {dgl.reason}"
+    print(dgl_note, flush=True)
 
-    budget = 0.6 * available_bytes()
     progress = tqdm(total=len(all_cases), desc="cases", file=sys.stderr)
-    for gname, (gdir, n, e) in graphs.items():
-        src = torch.from_numpy(np.load(gdir / "src.npy"))
-        dst = torch.from_numpy(np.load(gdir / "dst.npy"))
-        idx = torch.int32 if n < 2**31 else torch.int64
-        csr = kernels.CSR.from_coo(src.to(idx), dst.to(idx), n)
-        g = {"csr": csr, "src": src, "dst": dst, "n": n, "indptr": csr.indptr,
-             "indices64": csr.indices.long(), "eids": csr.eids.long(), "ones": torch.ones(e),
-             "edge_index": torch.stack([src, dst]), "torch_scatter": torch_scatter,
-             "pyg_reason": pyg_reason if pyg_nn is None else None}
-        if pyg_nn is not None:
-            g["pyg"] = {r: _pyg_conv(pyg_nn, r) for r in ("sum", "mean", "max", "min")}
-            g["pyg_softmax"] = pyg_utils.softmax
-        for case in [c for c in all_cases if c["graph"] == gname]:
-            f = case["F"]
-            traffic = traffic_bytes(case["kernel"], n, e, f, csr.indices.element_size())
-            fns = method_fns(g, case)
-            if dgl_results is not None:
-                fns["DGL"] = dgl_results.get(case["key"], "not run")
-            for method, fn in fns.items():
-                if isinstance(fn, (str, float)):
-                    ms = fn
-                elif materializes(method) and 3 * e * f * ITEM > budget:
-                    ms = f"skipped: needs ~{3 * e * f * ITEM / 2**30:.0f} GiB for [E, F] messages"
-                else:
-                    try:
-                        ms = time_method(fn, case, n, e, reps)
-                    except Exception as err:  # record and continue: one failing baseline
-                        ms = f"error: {type(err).__name__}: {str(err)[:80]}"
-                frac = (traffic / (ms * 1e-3) / bw) if isinstance(ms, float) and \
-                    case["pass"] == "fwd" else None
-                rows.append({"graph": gname, "N": n, "E": e, "kernel": case["kernel"],
-                             "op": case["op"], "reduce": case["reduce"], "F": f,
-                             "pass": case["pass"], "method": method, "ms": ms,
-                             "GB/s (model)": traffic / (ms * 1e-3) / 1e9 if frac else None,
-                             "fraction of copy bw": frac})
-            progress.update(1)
-    progress.close()
-    report(rows, bw, jit, dgl_note, threads, reps, out_dir)
+    try:
+        for gname, (gdir, n, e) in graphs.items():
+            cases = [c for c in all_cases if c["graph"] == gname]
+            rows += run_graph(gname, gdir, n, e, cases, dgl, bw, limit, progress, pyg)
+    finally:
+        progress.close()
+        if dgl is not None:
+            dgl.close()
+    report(rows, bw, jit, dgl_note, threads, reps, out_dir, (load0[0], os.getloadavg()[0]),
+           args.large_reps)
+
+
+def run_graph(gname, gdir, n, e, cases, dgl, bw, limit, progress, pyg):
+    edge_index = torch.stack([torch.from_numpy(np.load(gdir / name)) for name in
+                              ("src.npy", "dst.npy")])
+    src, dst = edge_index[0], edge_index[1]  # views: the edge list is held once
+    idx = torch.int32 if n < 2**31 else torch.int64
+    csr = kernels.CSR.from_coo(src.to(idx), dst.to(idx), n)
+    g = {"csr": csr, "src": src, "dst": dst, "n": n, "indptr": csr.indptr,
+         "indices64": csr.indices.long(), "eids": csr.eids.long(), "ones": torch.ones(e),
+         "edge_index": edge_index, **pyg}
+    if dgl is not None and not dgl.reason:
+        try:
+            dgl.call(cmd="load", graph_dir=str(gdir))
+        except RuntimeError:
+            pass  # dgl.reason says why; every DGL cell will show it
+    print(f"{gname}: load average {os.getloadavg()[0]:.1f}; this process holds "
+          f"{rss_bytes() / 2**30:.1f} GiB with the graph loaded, the DGL worker "
+          f"{(dgl.rss if dgl else 0) / 2**30:.1f} GiB", flush=True)
+    rows = []
+    for case in cases:
+        f = case["F"]
+        traffic = traffic_bytes(case["kernel"], n, e, f, csr.indices.element_size())
+        times, interleaved = time_case(case, method_fns(g, case), dgl, case["reps"], limit)
+        load = round(os.getloadavg()[0], 1)
+        for method, ms in times.items():
+            frac = (traffic / (ms * 1e-3) / bw) if isinstance(ms, float) and \
+                case["pass"] == "fwd" else None
+            rows.append({"graph": gname, "N": n, "E": e, "kernel": case["kernel"],
+                         "op": case["op"], "reduce": case["reduce"], "F": f,
+                         "pass": case["pass"], "method": method, "ms": ms,
+                         "GB/s (model)": traffic / (ms * 1e-3) / 1e9 if frac else None,
+                         "fraction of copy bw": frac, "reps": case["reps"],
+                         "interleaved": method != "DGL" or interleaved, "load average": load})
+        progress.update(1)
+    return rows
 
 
 def _pyg_conv(pyg_nn, reduce):
@@ -468,14 +631,16 @@ def _pyg_conv(pyg_nn, reduce):
     return Gather()
 
 
-def report(rows, bw, jit, dgl_note, threads, reps, out_dir):
+def report(rows, bw, jit, dgl_note, threads, reps, out_dir, loads, args_large_reps=None):
     csv_path, png_path = out_dir / "kernels.csv", out_dir / "kernels.png"
     with open(csv_path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     plot(rows, png_path)
-    print(f"\n{threads} threads, best of {reps}; copy bandwidth {bw / 1e9:.1f} GB/s; {dgl_note}")
+    large = "" if args_large_reps is None else f" ({args_large_reps} on graphs over 10M edges)"
+    print(f"\n{threads} threads, best of {reps}{large}; load average {loads[0]:.1f} at the start, "
+          f"{loads[1]:.1f} at the end; copy bandwidth {bw / 1e9:.1f} GB/s; {dgl_note}")
     keys = []
     for r in rows:
         k = (r["graph"], r["kernel"], r["op"], r["reduce"], r["F"], r["pass"])
@@ -493,7 +658,9 @@ def report(rows, bw, jit, dgl_note, threads, reps, out_dir):
             if isinstance(ms, float):
                 ratio = f"{ms / ours:7.2f}x" if isinstance(ours, float) else ""
                 frac = f"{r['fraction of copy bw']:7.0%}" if r["fraction of copy bw"] else ""
-                print(f"{k[0]:18} {case:30} {r['method']:26} {ms:9.1f} {ratio:>8} {frac:>8}")
+                alone = "" if r["interleaved"] else "  (ran after the others: no memory for both)"
+                print(f"{k[0]:18} {case:30} {r['method']:26} {ms:9.1f} {ratio:>8} {frac:>8}"
+                      f"{alone}")
             else:
                 print(f"{k[0]:18} {case:30} {r['method']:26} {str(ms)[:60]}")
     print(f"\nnumba JIT first call: {jit}")

@@ -1,21 +1,37 @@
 """DGL half of benchmarks/kernels.py, run in the DGL environment (.venv-dgl: torch 2.2.1 + dgl 2.1.0).
 
-Reads the saved graph files (``src.npy`` / ``dst.npy``) and a JSON list of cases, times DGL's
-gspmm / gsddmm / edge_softmax on them (best of N, forward and backward separately, the same
-protocol as the main script), and writes ``{case key: milliseconds}`` as JSON. Standalone on
-purpose: this environment has neither numba nor ngra's kernels.
+A worker that times DGL's gspmm / gsddmm / edge_softmax one call at a time on command, so that the
+main script can interleave DGL's runs with its own (round by round, best of N for each method):
+on a shared machine the load changes from minute to minute, and only runs taken side by side
+compare fairly. Standalone on purpose: this environment has neither numba nor ngra's kernels.
 
-    .venv-dgl/bin/python benchmarks/kernels_dgl.py --cases cases.json --out dgl.json
+Protocol: one JSON object per line on stdin, one reply per line on stdout.
+
+    {"cmd": "threads", "n": 2}                  -> {}
+    {"cmd": "load", "graph_dir": "..."}         -> {"rss": bytes}  (src.npy / dst.npy / meta.json)
+    {"cmd": "prepare", "case": {...}}           -> {"rss": bytes}  (builds the case's inputs)
+    {"cmd": "run"}                              -> {"s": seconds of one timed call}
+    {"cmd": "release"}                          -> {"rss": bytes}
+    {"cmd": "quit"}
+    any failure                                 -> {"error": "..."}
+
+    .venv-dgl/bin/python benchmarks/kernels_dgl.py   (started by benchmarks/kernels.py)
 """
 
 from __future__ import annotations
 
-import argparse
+import gc
 import json
 import os
+import sys
 import time
 
 os.environ.setdefault("DGLBACKEND", "pytorch")
+
+# Replies go to the original stdout; anything a library prints (Python or C level) goes to stderr.
+_REPLY = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
 
 import dgl  # noqa: E402
 import dgl.ops  # noqa: E402
@@ -23,87 +39,105 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
-def best_ms(fn, reps, setup=None):
-    """Best wall time of ``fn(setup())`` over ``reps`` runs, after one warm-up."""
-    args = setup() if setup else None
-    fn(args)
-    times = []
-    for _ in range(reps):
-        args = setup() if setup else None
-        t0 = time.perf_counter()
-        fn(args)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * min(times)
+def rss_bytes():
+    try:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
-def run_case(g, case, reps):
+def load_graph(path):
+    src = torch.from_numpy(np.load(os.path.join(path, "src.npy")))
+    dst = torch.from_numpy(np.load(os.path.join(path, "dst.npy")))
+    meta = json.load(open(os.path.join(path, "meta.json")))
+    # int32 ids, as ngra's CSR uses in the main script
+    g = dgl.graph((src, dst), num_nodes=meta["num_nodes"], idtype=torch.int32)
+    g.create_formats_()  # build CSR/CSC up front, as ngra's CSR is built before timing
+    return g
+
+
+def make_case(g, case):
+    """A callable timing one call of the case (the same inputs as the main script's)."""
     n, e = g.num_nodes(), g.num_edges()
     f, kernel = case["F"], case["kernel"]
     gen = torch.Generator().manual_seed(0)
-    grad = case["pass"] == "bwd"
-
-    def feats(*shape):
-        return torch.randn(*shape, generator=gen).requires_grad_(grad)
-
+    x = {}
     if kernel == "gspmm":
         op, reduce = case["op"], case["reduce"]
-        lhs = feats(n, f) if op != "copy_e" else None
-        rhs = None
+        if op != "copy_e":
+            x["u"] = torch.randn(n, f, generator=gen)
         if op == "copy_e":
-            rhs = feats(e, f)
+            x["e"] = torch.randn(e, f, generator=gen)
         elif op != "copy_u":
-            rhs = (torch.rand(e, 1, generator=gen) + 0.5).requires_grad_(grad)
+            x["e"] = torch.rand(e, 1, generator=gen) + 0.5  # one weight per edge
         binop = {"copy_u": "copy_lhs", "copy_e": "copy_rhs"}.get(op, op.split("_")[1])
 
-        def fwd(_):
-            return dgl.ops.gspmm(g, binop, reduce, lhs, rhs)
+        def fwd(t):
+            return dgl.ops.gspmm(g, binop, reduce, t.get("u"), t.get("e"))
     elif kernel == "gsddmm":
-        u, v = feats(n, f), feats(n, f)
+        x["u"] = torch.randn(n, f, generator=gen)
+        x["v"] = torch.randn(n, f, generator=gen)
 
-        def fwd(_):
-            return dgl.ops.gsddmm(g, "dot", u, v)
+        def fwd(t):
+            return dgl.ops.gsddmm(g, "dot", t["u"], t["v"])
     else:
-        s = feats(e, f)
+        x["s"] = torch.randn(e, f, generator=gen)
 
-        def fwd(_):
-            return dgl.ops.edge_softmax(g, s)
+        def fwd(t):
+            return dgl.ops.edge_softmax(g, t["s"])
 
-    if not grad:
-        with torch.no_grad():
-            return best_ms(fwd, reps)
-
-    def setup():
-        out = fwd(None)
-        return out, torch.ones_like(out)
-
-    return best_ms(lambda a: a[0].backward(a[1]), reps, setup)
+    if case["pass"] == "fwd":
+        def run():
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                fwd(x)
+                return time.perf_counter() - t0
+    else:
+        def run():
+            leaves = {k: v.detach().requires_grad_() for k, v in x.items()}
+            out = fwd(leaves)
+            grad = torch.ones_like(out)
+            t0 = time.perf_counter()
+            out.backward(grad)
+            return time.perf_counter() - t0
+    return run
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", required=True, help="JSON file written by benchmarks/kernels.py")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    spec = json.load(open(args.cases))
-    torch.set_num_threads(spec["threads"])
-    results, graphs = {}, {}
-    for case in spec["cases"]:
-        path = case["graph_dir"]
-        if path not in graphs:
-            src = torch.from_numpy(np.load(os.path.join(path, "src.npy")))
-            dst = torch.from_numpy(np.load(os.path.join(path, "dst.npy")))
-            meta = json.load(open(os.path.join(path, "meta.json")))
-            # int32 ids, as ngra's CSR uses in the main script
-            g = dgl.graph((src, dst), num_nodes=meta["num_nodes"], idtype=torch.int32)
-            g.create_formats_()  # build CSR/CSC up front, as ngra's CSR is built before timing
-            graphs = {path: g}  # one graph in memory at a time
+    graph, run = None, None
+    _REPLY.write(json.dumps({"versions": {"dgl": dgl.__version__, "torch": torch.__version__}})
+                 + "\n")
+    _REPLY.flush()
+    for line in sys.stdin:
+        msg = json.loads(line)
+        cmd = msg["cmd"]
         try:
-            results[case["key"]] = run_case(graphs[path], case, spec["reps"])
-        except Exception as err:  # report, keep going: one unsupported case must not lose the rest
-            results[case["key"]] = f"error: {type(err).__name__}: {err}"
-        print(case["key"], results[case["key"]], flush=True)
-    json.dump({"versions": {"dgl": dgl.__version__, "torch": torch.__version__},
-               "results": results}, open(args.out, "w"))
+            if cmd == "quit":
+                break
+            if cmd == "threads":
+                torch.set_num_threads(int(msg["n"]))
+                reply = {}
+            elif cmd == "load":
+                graph = run = None
+                gc.collect()
+                graph = load_graph(msg["graph_dir"])
+                reply = {"rss": rss_bytes()}
+            elif cmd == "prepare":
+                run = None
+                run = make_case(graph, msg["case"])
+                reply = {"rss": rss_bytes()}
+            elif cmd == "run":
+                reply = {"s": run()}
+            elif cmd == "release":
+                run = None
+                gc.collect()
+                reply = {"rss": rss_bytes()}
+            else:
+                reply = {"error": f"unknown command {cmd!r}"}
+        except Exception as err:  # report, keep serving: one unsupported case must not end the run
+            reply = {"error": f"{type(err).__name__}: {err}"}
+        _REPLY.write(json.dumps(reply) + "\n")
+        _REPLY.flush()
 
 
 if __name__ == "__main__":
