@@ -784,13 +784,7 @@ def build(config: TrainConfig, data, hp: HParams | None = None):
 def _engine_context(config: TrainConfig):
     if config.memory_budget is None and config.num_chunks is None:
         return contextlib.nullcontext()
-    import ngra
-
-    Engine = getattr(ngra, "Engine", None)
-    if Engine is None:
-        raise ConfigError("memory_budget / num_chunks need the streaming engine (ngra.Engine), which "
-                          "this version of ngra does not have yet; leave --memory-budget and "
-                          "--num-chunks out to train in memory")
+    from .engine import Engine
     from partition import parse_bytes
 
     if config.num_chunks is not None:

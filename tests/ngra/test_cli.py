@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-import ngra
 from ngra.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,10 +116,6 @@ def test_checkpoint_written_for_other_settings_is_a_user_error(tmp_path, capsys)
 
 
 def test_streaming_flags(tmp_path, capsys):
-    if getattr(ngra, "Engine", None) is None:
-        assert train("--epochs", "2", "--num-chunks", "2") == 2
-        assert "does not have yet" in capsys.readouterr().err
-        return
     out = tmp_path / "m.json"
     assert train("--epochs", "2", "--num-chunks", "2", "--metrics-json", str(out)) == 0
     info = json.loads(out.read_text())["info"]

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import ngra
 from ngra import datasets
 from ngra.nn import MODELS, build_model
 from ngra.train import (CHECKPOINT_NAME, MODEL_DEFAULTS, ConfigError, TrainConfig, _Stopper, evaluate, fit,
@@ -63,8 +62,6 @@ TINY_SBM = {**SMALL_SBM, "num_nodes": 90, "train_per_class": 5, "val_per_class":
 @pytest.mark.parametrize("dataset", ["sbm", "karate"])
 @pytest.mark.parametrize("model", MODELS)
 def test_every_model_trains_streamed(model, dataset):
-    if getattr(ngra, "Engine", None) is None:
-        pytest.skip("ngra.Engine (the streaming engine) does not exist yet")
     common = dict(model=model, dataset=dataset, dataset_options=TINY_SBM if dataset == "sbm" else None,
                   epochs=8, dropout=0.0, patience=0, progress=False)
     mem = run(TrainConfig(**common))
@@ -377,8 +374,6 @@ def test_run_takes_a_dataset_record_under_any_name():
 
 
 def test_streamed_run_reports_what_the_engine_did():
-    if getattr(ngra, "Engine", None) is None:
-        pytest.skip("ngra.Engine (the streaming engine) does not exist yet")
     assert "streamed" not in run(small_config(epochs=2)).info
     res = run(small_config(epochs=2, num_chunks=3))
     # The engine's own record (ngra.Engine.last_run); its other fields belong to the engine's tests.
@@ -422,16 +417,8 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
 def test_streaming_flags_are_checked():
     with pytest.raises(ConfigError, match=r"give one of memory_budget \('1GiB'\) and num_chunks \(2\), not both"):
         run(small_config(num_chunks=2, memory_budget="1GiB"))
-    if getattr(ngra, "Engine", None) is not None:
-        with pytest.raises(ConfigError, match=r"streaming engine cannot run gcn on sbm with --memory-budget 1B"):
-            run(small_config(memory_budget="1B"))
-
-
-def test_streaming_flags_without_engine_say_so():
-    if getattr(ngra, "Engine", None) is not None:
-        pytest.skip("ngra.Engine exists; test_every_model_trains_streamed covers the flags")
-    with pytest.raises(ConfigError, match=r"need the streaming engine \(ngra.Engine\).*does not have yet"):
-        run(small_config(num_chunks=2))
+    with pytest.raises(ConfigError, match=r"streaming engine cannot run gcn on sbm with --memory-budget 1B"):
+        run(small_config(memory_budget="1B"))
 
 
 def test_fit_checks_its_arguments():
