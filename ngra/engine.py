@@ -896,15 +896,50 @@ def _replayable(n: Node) -> bool:
 class _Token:
     """What autograd keeps for one tensor it saved in a column (see :class:`_Replay`)."""
 
-    __slots__ = ("kind", "tensor", "node", "ordinal", "ptr", "dtype", "size", "stride", "offset",
-                 "attr", "used")
+    __slots__ = ("kind", "tensor", "node", "ordinal", "ptr", "dtype", "device", "size", "stride",
+                 "offset", "attr", "used")
 
     def __init__(self, kind, t, node, ordinal):
         self.kind, self.node, self.ordinal, self.used = kind, node, ordinal, False
         self.tensor = t if kind == "keep" else None
         self.attr = None
-        self.ptr, self.dtype = t.untyped_storage().data_ptr(), t.dtype
-        self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
+        self.ptr = t.untyped_storage().data_ptr() if t.layout == torch.strided else 0
+        self.dtype, self.device = t.dtype, t.device
+        self.size, self.stride = tuple(t.shape), t.stride() if t.layout == torch.strided else ()
+        self.offset = t.storage_offset() if t.layout == torch.strided else 0
+
+
+class _Capture:
+    """Watches a column's re-run for :class:`_Replay`: keeps the outputs of the nodes in
+    ``values`` and, as a saved-tensor pack hook, the tensors saved at ``saves`` positions
+    ``(node, ordinal)``. (A module-level class: one defined inside a method would live in a
+    reference cycle, and keep the replay and its tensors alive until the garbage collector.)"""
+
+    def __init__(self, values: set, saves: set, into_values: dict, into_saves: dict):
+        self.node = -1
+        self.ordinal: dict[int, int] = {}
+        self._values, self._saves = values, saves
+        self._into_values, self._into_saves = into_values, into_saves
+
+    def done(self, k: int, value) -> None:
+        if k in self._values:
+            # Detached: the re-run's own autograd graph (which holds this capture through its
+            # hooks) must not be kept alive by what it produced.
+            self._into_values[k] = value.detach()
+
+    def pack(self, t):
+        k = self.node
+        o = self.ordinal[k] = self.ordinal.get(k, -1) + 1
+        if (k, o) in self._saves:
+            self._into_saves[(k, o)] = t.detach()
+        # The re-run's graph is never backpropagated: it keeps nothing. (Returning ``t`` would
+        # tie an op's output to the node that saved it, a cycle through C++ that no collector
+        # sees.)
+        return None
+
+
+def _never_unpacked(_):
+    raise RuntimeError("internal: a column's re-run graph was backpropagated")
 
 
 class _Replay:
@@ -923,7 +958,11 @@ class _Replay:
       node's output;
     - ``index``: an index array of a store's column: read again with the column;
     - ``saved``: anything else a node saved (a max/min reduction's arg-max): re-run through
-      that node under autograd, capturing its saved tensors by position.
+      that node under autograd, capturing its saved tensors by position;
+    - ``empty``: a tensor with no elements (an empty column's), made anew.
+
+    A token never holds an op's output: the output's node holds the token, so that would be a
+    reference cycle through autograd's C++ objects, which no garbage collector sees.
 
     Random ops replay with the random state the column started with. When every token has been
     unpacked, the rebuilt values are dropped.
@@ -952,6 +991,9 @@ class _Replay:
             env = run._edge_part(self.col, self.vert, watch=self)
         self.col = None  # a store's column is read again if backward needs its index arrays
         self.node = -1
+        # Only packing reads it, and its weakref callbacks refer back to self: a cycle that
+        # would keep the call's tensors alive until the garbage collector ran.
+        self.outputs = None
         return tuple(env[id(r)] for r in run.plan.reductions)
 
     def done(self, k: int, value) -> None:
@@ -960,8 +1002,9 @@ class _Replay:
             ptr = st.data_ptr()
             if ptr not in self.outputs:  # a view keeps its base's node
                 # Forgotten when the storage is freed: its address may then be reused.
+                outputs = self.outputs
                 self.outputs[ptr] = (k, value.dtype, weakref.ref(st, lambda _, p=ptr:
-                                                                  self.outputs.pop(p, None)))
+                                                                  outputs.pop(p, None)))
             for tok in self.tokens:  # what node k saved of its own output is a value too
                 if tok.kind == "saved" and tok.node == k and tok.ptr == ptr \
                         and tok.dtype == value.dtype:
@@ -981,8 +1024,10 @@ class _Replay:
     def pack(self, t):
         k = self.node
         ordinal = self.ordinal[k] = self.ordinal.get(k, -1) + 1
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0:
-            return _Token("keep", t, k, ordinal) if isinstance(t, torch.Tensor) else t
+        if t.layout != torch.strided:
+            return _Token("keep", t, k, ordinal)
+        if t.numel() == 0:  # made anew (holding it could tie an output to its own node)
+            return _Token("empty", t, k, ordinal)
         ptr = t.untyped_storage().data_ptr()
         hit = self.outputs.get(ptr)
         if hit is not None and hit[1] == t.dtype:
@@ -996,16 +1041,16 @@ class _Replay:
         else:
             tok = _Token("saved", t, k, ordinal)
             tok.tensor = t  # until node k is done (see done())
-        if tok.kind != "keep":
+        if tok.kind not in ("keep", "empty"):
             self.tokens.append(tok)
             self.pending += 1
         return tok
 
     def unpack(self, tok):
-        if not isinstance(tok, _Token):
-            return tok
         if tok.kind == "keep":
             return tok.tensor
+        if tok.kind == "empty":
+            return torch.empty_strided(tok.size, tok.stride, dtype=tok.dtype, device=tok.device)
         if self.values is None:
             self._rebuild()
         if tok.kind == "index":
@@ -1031,24 +1076,7 @@ class _Replay:
         self.values, self.saves = {}, {}
         if upto < 0:
             return
-        rebuild = self
-
-        class Capture:
-            node = -1
-            ordinal: dict = {}
-
-            def done(self, k, value):
-                if k in values:
-                    rebuild.values[k] = value
-
-            def pack(self, t):
-                k = self.node
-                o = self.ordinal[k] = self.ordinal.get(k, -1) + 1
-                if (k, o) in saves:
-                    rebuild.saves[(k, o)] = t
-                return t
-
-        cap = Capture()
+        cap = _Capture(values, saves, self.values, self.saves)
         cpu, cuda = self.rng
         devices = [run.device.index or 0] if cuda is not None else []
         with torch.random.fork_rng(devices=devices):
@@ -1057,7 +1085,7 @@ class _Replay:
                 torch.cuda.set_rng_state(cuda, run.device)
             if saves:  # saved tensors only exist where autograd records
                 with torch.enable_grad(), \
-                        torch.autograd.graph.saved_tensors_hooks(cap.pack, lambda t: t):
+                        torch.autograd.graph.saved_tensors_hooks(cap.pack, _never_unpacked):
                     run._edge_part(self.col, self.vert, upto=upto, watch=cap)
             else:
                 with torch.no_grad():

@@ -12,10 +12,11 @@ vertex-program call from disk and keeps vertex-level data resident. What it does
   for ``dW = sum_b dY_b^T X_b``, so only ``[N, out]`` is ever resident;
 - *edge work in backward*: the GCN propagation is linear, so :class:`OutOfCoreGCN` streams it
   under ``no_grad`` and streams its backward ``Â^T dY`` as the same program over the transposed
-  store (``ChunkStore.reversed()``, a view): one chunk (plus the prefetched one) resident in
-  both directions, and no checkpointed recomputation of the forward. (It was written when the
-  kernels still held every chunk's CSR as a ``ctx`` attribute until backward; since they keep it
-  weakly, plain autograd through the engine is bounded too, but it recomputes each column.)
+  store (``ChunkStore.reversed()``, a view): one column (plus the prefetched one) resident in
+  both directions, no recomputation of the forward and no transposed CSR to build (the
+  reversed store's columns are grouped by the original sources already). Plain autograd
+  through the engine is bounded too, but it rebuilds each column's CSR and its transpose in
+  backward.
 - *resident-memory accounting*: :func:`memory_status` and :func:`reset_peak_rss` read and
   reset the kernel's peak resident set (``VmHWM``).
 
@@ -294,9 +295,8 @@ class _StreamedPropagate(torch.autograd.Function):
 
     ``Â = D^-1/2 (A + I) D^-1/2`` is linear in ``H``, so ``dH = Â^T dY``, and
     ``Â^T = D^-1/2 (A^T + I) D^-1/2`` is the same program on the transposed graph
-    (``store.reversed()``, a view). Both directions run under ``torch.no_grad()``: the engine's
-    own autograd path keeps every chunk's CSR alive until backward (the kernels hold it as a
-    ``ctx`` attribute, which activation checkpointing does not free), i.e. O(E) memory.
+    (``store.reversed()``, a view). Both directions run under ``torch.no_grad()``, so the
+    engine streams each one column at a time with nothing kept for backward.
     """
 
     @staticmethod
