@@ -1070,6 +1070,9 @@ class _Replay:
         """Re-run the column's edge part up to the last node a token needs."""
         run = self.run
         self.col = run.loader.get(self.j, self.j - 1)
+        for tok in self.tokens:  # a second backward (retain_graph) frees the values again
+            tok.used = False
+        self.pending = len(self.tokens)
         values = {tok.node for tok in self.tokens if tok.kind == "value"}
         saves = {(tok.node, tok.ordinal) for tok in self.tokens if tok.kind == "saved"}
         upto = max((tok.node for tok in self.tokens if tok.kind in ("value", "saved")), default=-1)

@@ -235,3 +235,22 @@ def test_model_training_step_streamed_matches(tmp_path):
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert np.isfinite(loss0.item())
+
+
+def test_in_place_edge_ops_recompute_whole_columns():
+    """An in-place op in the edge part could change a value after autograd saved it, so such
+    programs are not replayed node by node but recompute whole columns (checkpointing)."""
+
+    class InPlace(ngra.VertexProgram):
+        def apply_edge(self, e):
+            m = e.src["h"] * e.dst["h"] + 1
+            m.mul_(2)
+            return torch.sigmoid(m)
+
+    g = random_graph(30, 120, seed=1)
+    x = torch.randn(30, 3, dtype=torch.float64, requires_grad=True)
+    layer = InPlace()
+    plan = StreamPlan.of(ngra.compile(layer, g, {"h": x}).ir)
+    from ngra.engine import _replayable
+    assert [n.target for n in plan.edge if not _replayable(n)] == ["mul_"]
+    assert_streamed_equal(layer, g, {"h": x}, {}, ngra.Engine(num_chunks=3), rtol=1e-12, atol=1e-12)
