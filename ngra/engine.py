@@ -185,6 +185,8 @@ class _Column:
     ``csr``: bipartite CSR, N sources (new ids) x the interval's destinations (local ids); its
     ``eids`` are column positions, so an edge value of the column is [C, ...] in column order.
     ``eids`` [C] int64: the original edge id of each column position (to read edge data).
+    A single chunk ``(i, j)`` of a column has the same fields, with ``src`` its source interval
+    and the CSR's sources local to it.
     """
 
     j: int
@@ -192,6 +194,7 @@ class _Column:
     csr: Any
     eids: torch.Tensor
     transposed: bool = False  # its transposed CSR (for backward) is built and cached on ``csr``
+    src: slice | None = None  # a single chunk's source interval; None: all vertices
 
 
 class _GraphColumns:
@@ -268,6 +271,14 @@ class _ChunkColumns:
                 return col
             self._cols[j] = col
         return _transposed(col) if transpose else col
+
+    def chunk(self, i: int, j: int) -> _Column:
+        """Chunk ``(i, j)`` alone (sources local to interval ``i``), as read from the source."""
+        ch = self.source.chunk(i, j)
+        csr = ch.csr().to(self.device)
+        eids = torch.from_numpy(np.array(ch.eids, dtype=np.int64)).to(self.device)
+        return _Column(j, slice(ch.dst_start, ch.dst_stop), csr, eids,
+                       src=slice(ch.src_start, ch.src_stop))
 
     def _load(self, j: int) -> _Column:
         import kernels
@@ -427,7 +438,9 @@ class Engine:
           its own CSR), so once every column has been through a forward and a backward the term
           is 0; the cache itself, about 36 bytes per edge of the graph, is part of the fixed
           overhead. A store's columns are read at every pass, the next one on the prefetch
-          thread while this one computes: twice the term, always.
+          thread while this one computes: twice the term, always. (Without autograd, and with
+          no edge softmax, a store is streamed one chunk at a time, and ``C_col`` is then the
+          most edges of one chunk.)
 
         Vertex-level memory (features, lifted projections, gathered results and their
         gradients: :meth:`vertex_bytes`) stays resident whatever P is; it, the graph and its
@@ -435,6 +448,11 @@ class Engine:
         """
         if column_edges is None:
             column_edges = int(self._column_edges(g, num_intervals).max(initial=0))
+            plan = StreamPlan.of(program.ir)
+            if self.store is not None and not torch.is_grad_enabled() \
+                    and not any(n.op == "edge_softmax" for n in plan.edge):
+                # A store streamed without autograd goes chunk by chunk (_column_by_chunks).
+                column_edges = int(np.asarray(self.store.counts).max(initial=0))
         return int(math.ceil(self._bytes_per_edge(program, g, num_intervals) * column_edges))
 
     def _bytes_per_edge(self, program, g, p: int) -> float:
@@ -778,10 +796,13 @@ class _Run:
             or any(t.requires_grad for t in self.edata.values())
             or any(q.requires_grad for q in self.layer.parameters()))
         replay = recompute and all(_replayable(n) for n in plan.edge)
+        by_chunks = not recompute and _chunkable(self.layout, plan)
         self.loader = _Loader(self.layout, self.engine.prefetch, transpose=recompute)
         columns_out = []
         for j in range(p):
-            if replay:
+            if by_chunks and int((self.layout.source.counts[:, j] > 0).sum()) > 1:
+                outs = self._column_by_chunks(j, vert)
+            elif replay:
                 outs = _Replay(self, j, vert).forward()
             elif recompute:  # in-place ops in the edge part: recompute whole columns in order
                 fn = lambda *_, j=j, vert=vert: self._column(j, vert)  # noqa: E731
@@ -830,12 +851,62 @@ class _Run:
         env = self._edge_part(col, vert)
         return tuple(env[id(r)] for r in self.plan.reductions)
 
+    def _column_by_chunks(self, j: int, vert: dict):
+        """Column ``j`` of a store, without autograd, one chunk ``(i, j)`` at a time (the next
+        read on the prefetch thread): each reduction's partial results are combined exactly
+        (sums added, means divided by the full in-degree at the end, maxima and minima compared
+        where a chunk has in-edges, destinations without any get 0), so only a chunk's index
+        arrays are resident, not a column's."""
+        plan, layout = self.plan, self.layout
+        rows = [i for i in range(layout.num_intervals) if layout.source.counts[i, j]]
+        accs: dict[int, torch.Tensor] = {}
+        seen = deg = None  # destinations with an in-edge so far; in-degrees (for means)
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if self.engine.prefetch \
+            else None
+        try:
+            nxt = pool.submit(layout.chunk, rows[0], j) if pool else None
+            for k, i in enumerate(rows):
+                ch = nxt.result() if pool else layout.chunk(i, j)
+                if pool and k + 1 < len(rows):
+                    nxt = pool.submit(layout.chunk, rows[k + 1], j)
+                env = self._edge_part(ch, vert, partial=True)
+                counts = ch.csr.in_degrees()
+                has_in = counts > 0
+                seen = has_in if seen is None else seen | has_in
+                deg = counts if deg is None else deg + counts
+                for r in plan.reductions:
+                    part, acc = env[id(r)], accs.get(id(r))
+                    if _reducer(r) in ("max", "min"):
+                        fill = float("-inf") if _reducer(r) == "max" else float("inf")
+                        part = torch.where(_rows_mask(has_in, part), part,
+                                           torch.full_like(part, fill))
+                        if acc is not None:
+                            part = torch.maximum(acc, part) if _reducer(r) == "max" \
+                                else torch.minimum(acc, part)
+                    elif acc is not None:
+                        part = acc + part
+                    accs[id(r)] = part
+                del env, ch
+        finally:
+            if pool:
+                pool.shutdown(wait=True)
+        outs = []
+        for r in plan.reductions:
+            acc = accs[id(r)]
+            if _reducer(r) in ("max", "min"):
+                acc = torch.where(_rows_mask(seen, acc), acc, torch.zeros_like(acc))
+            elif _reducer(r) == "mean":
+                acc = acc / deg.clamp(min=1).to(acc.dtype).reshape(-1, *([1] * (acc.dim() - 1)))
+            outs.append(acc)
+        return tuple(outs)
+
     def _edge_part(self, col: _Column, vert: dict, *, upto: int | None = None, watch=None,
-                   keep=()) -> dict:
+                   keep=(), partial: bool = False) -> dict:
         """Evaluate the edge nodes ``0..upto`` (all by default) on column ``col``; returns their
         values by node id (values no later node reads are dropped, unless ``keep`` holds their
         index). ``watch``, if given, is told ``watch.node = k`` before node k runs and
-        ``watch.done(k, value)`` after."""
+        ``watch.done(k, value)`` after. ``partial``: ``col`` is one chunk of a column, and a mean
+        is reduced as a sum (divided by the in-degree once the column is done)."""
         ops = GraphOps(col.csr, self.engine.backend)
         plan = self.plan
         nodes = plan.edge if upto is None else plan.edge[:upto + 1]
@@ -844,8 +915,10 @@ class _Run:
         def load(n):
             return env[id(n)] if id(n) in env else vert[id(n)]
 
-        def rows(x, side):  # a vertex operand for the source (all vertices) or destination side
-            return x if side == "src" else x[col.dst]
+        def rows(x, side):  # a vertex operand for the source or the destination side
+            if side == "src":
+                return x if col.src is None else x[col.src]
+            return x[col.dst]
 
         keep_ids = {id(r) for r in plan.reductions} | {id(nodes[k]) for k in keep}
         drops = _drop_schedule(nodes, keep_ids)
@@ -859,13 +932,19 @@ class _Run:
                 value = self._eval(n, lambda: ops.scatter(x, n.target))
             elif n.op == "gsddmm":
                 u, v, e = n.args
-                uve = (None if u is None else load(u), None if v is None else rows(load(v), "dst"),
-                       None if e is None else load(e))
+                uve = (None if u is None else rows(load(u), "src"),
+                       None if v is None else rows(load(v), "dst"), None if e is None else load(e))
                 value = self._eval(n, lambda: ops.gsddmm(n.target, *uve))
             elif n.op == "gspmm":
                 u, e = n.args
-                ue = (None if u is None else load(u), None if e is None else load(e))
-                value = self._eval(n, lambda: ops.gspmm(*n.target, *ue))
+                ue = (None if u is None else rows(load(u), "src"), None if e is None else load(e))
+                op, reduce = n.target
+                reduce = "sum" if partial and reduce == "mean" else reduce
+                value = self._eval(n, lambda: ops.gspmm(op, reduce, *ue))
+            elif n.op == "gather" and partial:
+                m = load(n.args[0])
+                value = self._eval(n, lambda: ops.gather(m, "sum" if n.target == "mean"
+                                                         else n.target))
             else:
                 args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
                 value = self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, ops,
@@ -876,6 +955,22 @@ class _Run:
             for dead in drops.get(k, ()):
                 env.pop(dead, None)
         return env
+
+
+def _reducer(n: Node) -> str:
+    return n.target if n.op == "gather" else n.target[1]
+
+
+def _rows_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-row mask [R] shaped to broadcast over ``like`` [R, ...]."""
+    return mask.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def _chunkable(layout, plan: StreamPlan) -> bool:
+    """Whether a call without autograd can stream a store's columns chunk by chunk: every
+    reduction combines across chunks, which an edge softmax's normalizer does not."""
+    return isinstance(layout, _ChunkColumns) and not layout.cached \
+        and not any(n.op == "edge_softmax" for n in plan.edge)
 
 
 def _replayable(n: Node) -> bool:

@@ -254,3 +254,31 @@ def test_in_place_edge_ops_recompute_whole_columns():
     from ngra.engine import _replayable
     assert [n.target for n in plan.edge if not _replayable(n)] == ["mul_"]
     assert_streamed_equal(layer, g, {"h": x}, {}, ngra.Engine(num_chunks=3), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduce", REDUCERS)
+def test_store_without_autograd_streams_chunk_by_chunk(tmp_path, reduce, monkeypatch):
+    """Without autograd a store's columns are read one chunk at a time (partial reductions
+    combined exactly), so that out-of-core inference holds one chunk's arrays, not a column's."""
+    from ngra.engine import _ChunkColumns
+
+    g = random_graph(60, 400, seed=8)
+    partition.ChunkStore.write(tmp_path / "s", partition.grid(
+        g.src.numpy(), g.dst.numpy(), g.num_nodes, num_intervals=3, ordering="rcm"))
+    layer = build("u_mul_e", reduce)
+    vdata, edata = inputs(g, "u_mul_e", torch.float64)
+    chunks, columns = [], []
+    monkeypatch.setattr(_ChunkColumns, "chunk", lambda self, i, j, f=_ChunkColumns.chunk:
+                        chunks.append((i, j)) or f(self, i, j))
+    monkeypatch.setattr(_ChunkColumns, "_load", lambda self, j, f=_ChunkColumns._load:
+                        columns.append(j) or f(self, j))
+    with torch.no_grad():
+        expected = layer(g, vdata, edata)
+        with ngra.Engine(store=tmp_path / "s"):
+            got = layer(g, vdata, edata)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    store = partition.ChunkStore.open(tmp_path / "s")
+    multi = [j for j in range(3) if (store.counts[:, j] > 0).sum() > 1]
+    assert multi and sorted(chunks) == sorted((i, j) for j in multi for i in range(3)
+                                              if store.counts[i, j])
+    assert sorted(columns) == [j for j in range(3) if j not in multi]
