@@ -424,8 +424,9 @@ class Engine:
           intervals of the default order; measured, since one vertex is never split);
         - ``compute_bytes``: the peak bytes per edge of running the edge part forward and
           backward on one column (its edge values, the ones autograd saves, their gradients,
-          the kernels' per-edge buffers). It is *measured*, once per compiled program: the
-          program runs forward and backward on two small random graphs (16 vertices, 1024 and
+          the kernels' per-edge buffers; forward only where autograd is off). It is
+          *measured*, once per compiled program (and grad mode): the program runs forward and
+          backward on two small random graphs (16 vertices, 1024 and
           4096 edges) while :class:`TensorMemory` records the peak bytes of live tensors; the
           slope of peak over edges is the per-edge cost. If the probe cannot run (inputs it
           cannot synthesize), the bound ``2 * edge_bytes`` is used instead: every edge-domain
@@ -655,15 +656,17 @@ _probed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _compute_bytes_per_edge(program, device, backend) -> float:
-    """Measured peak bytes per edge of the edge part, forward and backward (see
-    :meth:`Engine.estimate`); the ``2 * edge_bytes`` bound if the probe cannot run."""
-    key = (str(device), backend)
+    """Measured peak bytes per edge of the edge part, forward and backward, or forward only
+    where autograd is off (see :meth:`Engine.estimate`); the ``2 * edge_bytes`` bound if the
+    probe cannot run."""
+    backward = torch.is_grad_enabled()
+    key = (str(device), backend, backward)
     hit = _probed.get(program, {}).get(key)
     if hit is None:
         try:
             # A fresh context: no active engine and no profiler records the probe's runs.
-            peaks = [contextvars.Context().run(_probe_peak, program, e, device, backend)
-                     for e in _PROBE_EDGES]
+            peaks = [contextvars.Context().run(_probe_peak, program, e, device, backend,
+                                               backward) for e in _PROBE_EDGES]
             hit = max(0.0, (peaks[1] - peaks[0]) / (_PROBE_EDGES[1] - _PROBE_EDGES[0]))
         except Exception:  # noqa: BLE001 - inputs the probe cannot make up: fall back to the bound
             plan = StreamPlan.of(program.ir)
@@ -673,9 +676,9 @@ def _compute_bytes_per_edge(program, device, backend) -> float:
     return hit
 
 
-def _probe_peak(program, num_edges: int, device, backend) -> int:
-    """Peak live tensor bytes of one streamed call (P = 1) of ``program`` and its backward on a
-    random graph with ``num_edges`` edges, inputs made up from the program's signature."""
+def _probe_peak(program, num_edges: int, device, backend, backward: bool) -> int:
+    """Peak live tensor bytes of one streamed call (P = 1) of ``program`` (and its backward) on
+    a random graph with ``num_edges`` edges, inputs made up from the program's signature."""
     gen = torch.Generator().manual_seed(0)
     n = _PROBE_NODES
     g = Graph(torch.randint(0, n, (num_edges,), generator=gen),
@@ -685,13 +688,13 @@ def _probe_peak(program, num_edges: int, device, backend) -> int:
         for name, (trailing, dtype) in sig.items():
             if dtype.is_floating_point:
                 t = torch.randn((rows, *trailing), generator=gen, dtype=dtype).to(device)
-                t.requires_grad_()
+                t.requires_grad_(backward)
             else:  # ids (types, labels): 0 is valid for any range
                 t = torch.zeros((rows, *trailing), dtype=dtype, device=device)
             data[kind][name] = t
     layer = program.layer
     leaves = [t for t in [*data["vertex"].values(), *data["edge"].values(), *layer.parameters()]
-              if t.requires_grad]
+              if t.requires_grad] if backward else []
     engine = Engine(num_chunks=1, prefetch=False, backend=backend)
     engine._probing = True
 
@@ -703,7 +706,7 @@ def _probe_peak(program, num_edges: int, device, backend) -> int:
     buffers = {k: b.clone() for k, b in layer.named_buffers()}
     devices = [device.index or 0] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(backward):
             once()  # the graph's CSR and the column cache are built outside the measurement
             with TensorMemory() as tm:
                 once()
