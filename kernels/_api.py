@@ -104,9 +104,17 @@ def _restore_csr(ctx):
     """``(csr, other saved tensors)`` in backward (see :func:`_keep_csr`)."""
     *tensors, indptr, indices, eids = ctx.saved_tensors
     csr = ctx.csr_ref()
-    if csr is None or csr.indptr is not indptr:
+    # Identity of the unpacked tensor is not enough: under saved-tensor hooks torch 2.2 hands
+    # back another Python object for the same tensor. While ``csr`` lives its indptr's storage
+    # does too, so an equal address, shape and dtype is that very tensor.
+    if csr is None or not _same_tensor(csr.indptr, indptr):
         csr = CSR(indptr, indices, eids, *ctx.csr_shape)
     return csr, tensors
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+                      and a.device == b.device and a.stride() == b.stride())
 
 
 class _GSpMM(torch.autograd.Function):

@@ -125,3 +125,25 @@ def test_bad_backend_names_in_selectors():
     with pytest.raises(ValueError, match="unknown backend 'fast'"):
         with kernels.use_backend("fast"):
             pass
+
+
+def test_backward_reuses_the_live_csr_under_saved_tensor_hooks(monkeypatch):
+    """Saved-tensor hooks may hand back another Python object for the same index tensor (torch
+    2.2 does): backward must still find the live CSR and its cached transpose, not rebuild one
+    (a rebuilt transpose per call cost memory and time in every streamed backward)."""
+    csr = small()
+    csr.transpose()  # cached on csr
+    u = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("backward rebuilt a CSR although the forward's CSR is alive")
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.view_as(t)):
+        out = kernels.gspmm(csr, "copy_u", "sum", u=u)
+    monkeypatch.setattr(CSR, "from_coo", staticmethod(no_rebuild))
+    out.pow(2).sum().backward()
+    dense = torch.zeros(3, 3, dtype=torch.float64)
+    for s, d in zip(*[t.tolist() for t in csr.coo()]):
+        dense[d, s] += 1
+    expect = dense.T @ (2 * (dense @ u.detach()))
+    torch.testing.assert_close(u.grad, expect)
