@@ -418,7 +418,9 @@ class Engine:
 
         This is what streaming controls and what ``memory_budget`` bounds::
 
-            (compute_bytes + index_bytes) * C_col
+            max(compute_bytes, index_bytes) * C_col     in-memory graph, columns to prepare
+            compute_bytes * C_col                       in-memory graph, columns prepared
+            (compute_bytes + 2 * index_bytes) * C_col   chunk store (with prefetch)
 
         - ``C_col``: the most in-edges of one destination column (about E / P with the balanced
           intervals of the default order; measured, since one vertex is never split);
@@ -432,16 +434,15 @@ class Engine:
           cannot synthesize), the bound ``2 * edge_bytes`` is used instead: every edge-domain
           value of the IR that owns memory (views are not counted) and its gradient alive at
           once;
-        - ``index_bytes``: index arrays a call makes, ``_INDEX_BYTES`` (96) per edge: preparing a
-          column (its CSR, original edge ids, and the transposed CSR its backward builds, with
-          their sort buffers; or a store column's arrays read and merged). An in-memory
-          graph's columns are prepared by its first calls and then cached (as the graph caches
-          its own CSR), so once every column has been through a forward and a backward the term
-          is 0; the cache itself, about 36 bytes per edge of the graph, is part of the fixed
-          overhead. A store's columns are read at every pass, the next one on the prefetch
-          thread while this one computes: twice the term, always. (Without autograd, and with
-          no edge softmax, a store is streamed one chunk at a time, and ``C_col`` is then the
-          most edges of one chunk.)
+        - ``index_bytes``: ``_INDEX_BYTES`` (96) per edge of preparing a column: its CSR,
+          original edge ids and the transposed CSR backward uses, with their sort buffers (or a
+          store column's arrays read and merged). An in-memory graph's columns are prepared by
+          the first call, one at a time before each computes, then cached (as the graph caches
+          its own CSR), so later calls make no index arrays; the cache itself, about 36 bytes
+          per edge of the graph, is part of the fixed overhead. A store's columns are read at
+          every pass, the next one on the prefetch thread while this one computes. (Without
+          autograd, and with no edge softmax, a store is streamed one chunk at a time, and
+          ``C_col`` is then the most edges of one chunk.)
 
         Vertex-level memory (features, lifted projections, gathered results and their
         gradients: :meth:`vertex_bytes`) stays resident whatever P is; it, the graph and its
@@ -457,13 +458,15 @@ class Engine:
         return int(math.ceil(self._bytes_per_edge(program, g, num_intervals) * column_edges))
 
     def _bytes_per_edge(self, program, g, p: int) -> float:
-        per_edge = _compute_bytes_per_edge(program, g.device, self.backend)
+        compute = _compute_bytes_per_edge(program, g.device, self.backend)
+        if self.store is not None:  # read at every pass, the next column while this one computes
+            return compute + _INDEX_BYTES * (2 if self.prefetch else 1)
         layout = self._layout(g, p, create=False)
         if layout is None or not layout.prepared(backward=torch.is_grad_enabled()):
-            # Columns still to prepare; a store's, at every pass, the next one on the prefetch
-            # thread while this one computes.
-            per_edge += _INDEX_BYTES * (2 if self.store is not None and self.prefetch else 1)
-        return per_edge
+            # An in-memory graph's columns are prepared one at a time, each before it computes
+            # and after the previous column's edge values are gone: the two never overlap.
+            return max(compute, _INDEX_BYTES)
+        return compute
 
     def vertex_bytes(self, program, g) -> int:
         """Bytes one streamed call keeps resident whatever P is (an upper bound): each vertex
