@@ -369,7 +369,8 @@ def _report(rows, base, out: Path, args):
         lines.append(f"fixed overhead (largest peak-est of the streamed runs): {fixed / mib:.0f} "
                      f"MiB; peak <= budget + {fixed / mib:.0f} MiB in every streamed run: {ok}")
     lines.append("P: intervals per layer (layer 1 / layer 2); step s: fastest of "
-                 f"{args.repeats} steps, configurations taking turns")
+                 f"{args.repeats} steps, the ngra configurations taking turns in one process "
+                 "(PyG and DGL run in their own, at other times: compare their times with care)")
     table = "\n".join(lines)
     print(table)
     (out / "streaming.txt").write_text(table + "\n")
