@@ -707,9 +707,10 @@ def write_report(path, rows, gate_rows, stats, frameworks, models, args, wall, c
          f"({platform.processor() or platform.machine()}), torch {torch.__version__}; "
          f"one untimed warm-up run per configuration (its peak memory is reported; its time, "
          "which holds one-time work such as building a transposed CSR on first use, is not), "
-         f"then the best of 1 to {args.repeats} timed run(s) (the `repeats` column says how many "
-         f"ran; no new one starts after {args.max_seconds:g} s). A "
-         f"worker that made no progress for {args.worker_timeout:g} s was killed and the "
+         + ("then one timed run. A " if args.repeats == 1 else
+            f"then the best of 1 to {args.repeats} timed runs (the `repeats` column says how many "
+            f"ran; no new one starts after {args.max_seconds:g} s). A ")
+         + f"worker that made no progress for {args.worker_timeout:g} s was killed and the "
          f"configuration recorded as skipped; workers ran under a {args.mem_limit_gb:g} GiB "
          "data-segment limit. The machine was shared with other jobs: expect noise."
          + (f" Resumed (`--resume`): the timings of {', '.join(resumed)} come from an earlier "
