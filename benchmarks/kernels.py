@@ -5,8 +5,9 @@ For each graph (uniform random and R-MAT, saved as .npy so that DGL's separate e
 the very same edges) and feature size F, every method is timed best-of-N, forward and backward
 separately. The methods take turns within each round (DGL too: a worker process in .venv-dgl
 times one call per command), so that all of them see the same spells of load on a shared
-machine. The machine's copy bandwidth is measured in the same run (a large tensor copy), and
-each forward kernel reports the fraction of it that it reaches under the fused traffic model:
+machine. The machine's copy bandwidth is measured the same way: a 256 MiB tensor copy takes its
+turn in the rounds of every forward case, and each forward kernel reports the fraction of that
+bandwidth it reaches under the fused traffic model:
 
     gspmm          E * (index + F * itemsize) + num_dst * F * itemsize bytes
                    (one index and one F-wide source row read per edge, one row written per
@@ -137,6 +138,22 @@ def copy_bandwidth(reps):
     b.copy_(a)  # touch pages first
     ms = best_ms(lambda _: b.copy_(a), reps)
     return 2 * n * 4 / (ms * 1e-3)
+
+
+class CopyProbe:
+    """A 256 MiB tensor copy (8x the last-level cache) timed in the same rounds as each forward
+    case, so that the fraction of bandwidth a kernel reaches compares runs under the same load."""
+
+    def __init__(self):
+        n = (256 << 20) // 4
+        self.a, self.b = torch.ones(n), torch.empty(n)
+        self.b.copy_(self.a)  # touch pages first
+        self.bytes = 2 * n * 4  # read + write
+
+    def run(self):
+        t0 = time.perf_counter()
+        self.b.copy_(self.a)
+        return time.perf_counter() - t0
 
 
 def rss_bytes():
@@ -353,14 +370,16 @@ class DGLWorker:
             self.proc.wait()
 
 
-def time_case(case, fns, dgl, reps, limit):
+def time_case(case, fns, dgl, reps, limit, probe=None):
     """Time every applicable method of one case, side by side.
 
     ``fns``: {method: fn(inputs) -> output, or a reason string}; ``dgl``: a DGLWorker with the
     case's graph loaded, or None. A method whose estimated memory (on top of what this process
     and the DGL worker hold) exceeds ``limit`` is skipped with the reason. DGL takes its turns
     among the others when both processes' case tensors fit at once, else it runs alone after
-    them. Returns ({method: ms or reason}, whether DGL ran interleaved).
+    them. With ``probe`` (a CopyProbe), a forward case also times a large copy in its rounds.
+    Returns ({method: ms or reason}, copy bytes/s in these rounds or None, whether DGL ran
+    interleaved).
     """
     n, e = case["N"], case["E"]
     held = rss_bytes()
@@ -384,7 +403,13 @@ def time_case(case, fns, dgl, reps, limit):
             local["DGL"] = lambda: dgl.call(cmd="run")["s"]
         except RuntimeError as err:
             out["DGL"] = f"error: {err}"
+    copy_bw = None
+    if probe is not None and case["pass"] == "fwd" and local:
+        local["copy"] = probe.run
     out.update(interleaved_best_ms(local, reps))
+    if "copy" in out:
+        copy_ms = out.pop("copy")
+        copy_bw = probe.bytes / (copy_ms * 1e-3) if isinstance(copy_ms, float) else None
     del local, x
     if dgl_ok and not interleaved:
         reason = skip_reason(dgl_need, held + other, limit)
@@ -404,7 +429,7 @@ def time_case(case, fns, dgl, reps, limit):
     if dgl is not None and dgl.reason and "DGL" not in out:
         out["DGL"] = f"not available ({dgl.reason})"
     order = list(fns) + ["DGL"]
-    return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]))), interleaved
+    return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]))), copy_bw, interleaved
 
 
 # ----------------------------------------------------------------------------------------------
@@ -566,11 +591,12 @@ def main():
         dgl_note = dgl.note if not dgl.reason else f"DGL: {dgl.reason}"
     print(dgl_note, flush=True)
 
+    probe = CopyProbe()
     progress = tqdm(total=len(all_cases), desc="cases", file=sys.stderr)
     try:
         for gname, (gdir, n, e) in graphs.items():
             cases = [c for c in all_cases if c["graph"] == gname]
-            rows += run_graph(gname, gdir, n, e, cases, dgl, bw, limit, progress, pyg)
+            rows += run_graph(gname, gdir, n, e, cases, dgl, probe, limit, progress, pyg)
     finally:
         progress.close()
         if dgl is not None:
@@ -579,7 +605,7 @@ def main():
            args.large_reps)
 
 
-def run_graph(gname, gdir, n, e, cases, dgl, bw, limit, progress, pyg):
+def run_graph(gname, gdir, n, e, cases, dgl, probe, limit, progress, pyg):
     edge_index = torch.stack([torch.from_numpy(np.load(gdir / name)) for name in
                               ("src.npy", "dst.npy")])
     src, dst = edge_index[0], edge_index[1]  # views: the edge list is held once
@@ -600,15 +626,17 @@ def run_graph(gname, gdir, n, e, cases, dgl, bw, limit, progress, pyg):
     for case in cases:
         f = case["F"]
         traffic = traffic_bytes(case["kernel"], n, e, f, csr.indices.element_size())
-        times, interleaved = time_case(case, method_fns(g, case), dgl, case["reps"], limit)
+        times, case_bw, interleaved = time_case(case, method_fns(g, case), dgl, case["reps"],
+                                                limit, probe)
         load = round(os.getloadavg()[0], 1)
         for method, ms in times.items():
-            frac = (traffic / (ms * 1e-3) / bw) if isinstance(ms, float) and \
-                case["pass"] == "fwd" else None
+            frac = (traffic / (ms * 1e-3) / case_bw) if isinstance(ms, float) and case_bw \
+                else None
             rows.append({"graph": gname, "N": n, "E": e, "kernel": case["kernel"],
                          "op": case["op"], "reduce": case["reduce"], "F": f,
                          "pass": case["pass"], "method": method, "ms": ms,
                          "GB/s (model)": traffic / (ms * 1e-3) / 1e9 if frac else None,
+                         "copy GB/s (same rounds)": case_bw / 1e9 if case_bw else None,
                          "fraction of copy bw": frac, "reps": case["reps"],
                          "interleaved": method != "DGL" or interleaved, "load average": load})
         progress.update(1)
@@ -663,8 +691,45 @@ def report(rows, bw, jit, dgl_note, threads, reps, out_dir, loads, args_large_re
                       f"{alone}")
             else:
                 print(f"{k[0]:18} {case:30} {r['method']:26} {str(ms)[:60]}")
+        probe = sub[0].get("copy GB/s (same rounds)")
+        if probe:
+            print(f"{k[0]:18} {case:30} {'(256 MiB copy, same rounds)':26} {probe:6.1f} GB/s")
+    print_floors(rows)
     print(f"\nnumba JIT first call: {jit}")
     print(f"wrote {csv_path} and {png_path}")
+
+
+def print_floors(rows):
+    """The issue's floors, case by case: every g-SpMM op/reducer no slower than the fastest of
+    DGL and torch.sparse.mm, at least 5x faster than index_add_/scatter_reduce and PyG, and
+    copy_u/sum at F=64 reaching half the copy bandwidth (measured in the same rounds)."""
+    print("\nfloors (g-SpMM; 'vs best' = ngra time / fastest of DGL and torch.sparse.mm):")
+    keys = []
+    for r in rows:
+        k = (r["graph"], r["op"], r["reduce"], r["F"], r["pass"])
+        if r["kernel"] == "gspmm" and k not in keys:
+            keys.append(k)
+    for k in keys:
+        sub = {r["method"]: r for r in rows if r["kernel"] == "gspmm" and
+               (r["graph"], r["op"], r["reduce"], r["F"], r["pass"]) == k}
+        ours = sub.get("ngra-numba", {}).get("ms")
+        if not isinstance(ours, float):
+            continue
+        notes = []
+        rivals = [sub[m]["ms"] for m in ("DGL", "torch.sparse.mm")
+                  if m in sub and isinstance(sub[m]["ms"], float)]
+        if rivals:
+            ratio = ours / min(rivals)
+            notes.append(f"vs best {ratio:4.2f} {'ok' if ratio <= 1 else 'MISS'}")
+        for m in ("index_add/scatter_reduce", "PyG propagate"):
+            if m in sub and isinstance(sub[m]["ms"], float):
+                speedup = sub[m]["ms"] / ours
+                notes.append(f"{m.split('/')[0]} {speedup:4.1f}x {'ok' if speedup >= 5 else 'MISS'}")
+        frac = sub["ngra-numba"].get("fraction of copy bw")
+        if k[1:4] == ("copy_u", "sum", 64) and k[4] == "fwd" and frac:
+            notes.append(f"bandwidth {frac:4.0%} {'ok' if frac >= 0.5 else 'MISS'}")
+        case = f"{k[1]}/{k[2]} F{k[3]} {k[4]}"
+        print(f"  {k[0]:18} {case:24} " + "; ".join(notes))
 
 
 if __name__ == "__main__":
