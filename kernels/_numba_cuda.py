@@ -1,13 +1,21 @@
-"""numba.cuda backend: one thread block per destination row (or per edge for g-SDDMM), threads
-across the feature dim so that row reads coalesce.
+"""numba.cuda backend: destination rows cut into segments of at most ``_SEG_EDGES`` CSR positions,
+one group of ``g`` lanes per segment with the lanes across the feature dim (``g`` = the row width
+rounded up to a power of two, at most a warp), so that a warp reads whole feature rows at a time
+(coalesced) and rows narrower than a warp share one.
+
+Why segments: on power-law graphs a few rows hold a large share of the edges (an R-MAT graph with
+2M vertices has rows of ~100K in-edges), and a lane group that walks such a row alone finishes
+long after every other. Rows longer than ``_SEG_EDGES`` are split; their segments write partial
+results to a scratch buffer that a second, tiny kernel combines in segment order. Each output
+element is thus reduced in a fixed order by fixed threads: no atomics, and results are bitwise
+reproducible run to run. Edge-parallel stages (g-SDDMM, the last pass of edge softmax) use one
+thread per output element; dot products use one lane group per edge and a tree reduction in
+shared memory (the CUDA simulator has no warp shuffles, and CI tests this backend there).
 
 Torch CUDA tensors go to the kernels zero-copy through ``__cuda_array_interface__`` and the kernels
-run on torch's current stream. Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, how CI tests
-this backend without a GPU) CPU tensors are accepted and passed as numpy arrays.
-
-Like the numba CPU backend, each output element is reduced by one thread in CSR order, so results
-are deterministic (no atomics). Operand broadcasting always goes through the offset maps of
-:func:`kernels._ops.bcast_offsets`: simple, and the maps are tiny.
+run on torch's current stream. Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) CPU tensors
+are accepted and passed as numpy arrays. Operand broadcasting goes through the offset maps of
+:func:`kernels._ops.bcast_offsets` (cached per shape).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import math
 import numpy as np
 import torch
 from numba import config as _numba_config
-from numba import cuda
+from numba import cuda, float64
 
 from ._ops import bcast_offsets, out_feat_shape, reduce_to
 
@@ -28,7 +36,12 @@ COPY_LHS, COPY_RHS, ADD, SUB, MUL, DIV, DOT = range(7)
 _CODE = {"copy_lhs": COPY_LHS, "copy_rhs": COPY_RHS, "add": ADD, "sub": SUB, "mul": MUL,
          "div": DIV, "dot": DOT}
 _TARGET = {"u": 0, "v": 1, "e": 2}
-_MAX_GRID = 1 << 20  # blocks per launch; kernels stride over the rest
+# Longest run of CSR positions one lane group reduces alone. 128 keeps the partial-result traffic
+# of split rows under 1% of the edge traffic while bounding a group's serial walk.
+_SEG_EDGES = 128
+_BLOCK = 256  # threads per block on a GPU (the shared scratch of the dot kernel is this big)
+_SIM_BLOCK = 8  # the simulator runs one Python thread per GPU thread
+_MAX_GRID = 1 << 16  # blocks per launch; kernels stride over the rest
 
 
 def simulated() -> bool:
@@ -56,7 +69,7 @@ def check_device(device):
 
 
 # ----------------------------------------------------------------------------------------------
-# kernels
+# device functions
 
 @cuda.jit(device=True, inline=True)
 def _bop(op, a, b):
@@ -92,33 +105,61 @@ def _row(target, s, v, eid):
     return eid
 
 
+# ----------------------------------------------------------------------------------------------
+# segmented row kernels: segs[s] = (row, first CSR position, end position, scratch slot or -1)
+
 @cuda.jit(cache=True)
-def _spmm_sum(indptr, indices, eids, U, W, out, op, loff, roff, mean, zero):
+def _spmm_sum(segs, indices, eids, U, W, out, part, op, loff, roff, mean, zero, g):
     lo = out.shape[1]
-    for v in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
-        beg = indptr[v]
-        end = indptr[v + 1]
-        for f in range(cuda.threadIdx.x, lo, cuda.blockDim.x):
-            acc = zero
+    per = cuda.blockDim.x // g
+    lane = cuda.threadIdx.x % g
+    for s in range(cuda.blockIdx.x * per + cuda.threadIdx.x // g, segs.shape[0],
+                   cuda.gridDim.x * per):
+        v, beg, end, slot = segs[s, 0], segs[s, 1], segs[s, 2], segs[s, 3]
+        for f in range(lane, lo, g):
             a = loff[f]
             b = roff[f]
+            acc = zero
             for k in range(beg, end):
                 acc += _msg(op, U, W, indices[k], eids[k], a, b)
-            if mean and end > beg:
-                acc /= end - beg
-            out[v, f] = acc
+            if slot >= 0:
+                part[slot, f] = acc
+            else:
+                if mean and end > beg:
+                    acc /= end - beg
+                out[v, f] = acc
 
 
 @cuda.jit(cache=True)
-def _spmm_maxmin(indptr, indices, eids, U, W, out, arg, op, loff, roff, is_max, zero):
+def _merge_sum(hrows, hptr, indptr, part, out, mean, zero):
+    """Rows that were split: out[v] = sum of their segments' partials, in segment order."""
     lo = out.shape[1]
-    for v in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
-        beg = indptr[v]
-        end = indptr[v + 1]
-        for f in range(cuda.threadIdx.x, lo, cuda.blockDim.x):
-            if beg == end:
+    for t in range(cuda.grid(1), hrows.shape[0] * lo, cuda.gridsize(1)):
+        h = t // lo
+        f = t - h * lo
+        v = hrows[h]
+        acc = zero
+        for s in range(hptr[h], hptr[h + 1]):
+            acc += part[s, f]
+        if mean:
+            acc /= indptr[v + 1] - indptr[v]
+        out[v, f] = acc
+
+
+@cuda.jit(cache=True)
+def _spmm_maxmin(segs, indices, eids, U, W, out, arg, pbest, parg, op, loff, roff, is_max,
+                 need_arg, zero, g):
+    lo = out.shape[1]
+    per = cuda.blockDim.x // g
+    lane = cuda.threadIdx.x % g
+    for s in range(cuda.blockIdx.x * per + cuda.threadIdx.x // g, segs.shape[0],
+                   cuda.gridDim.x * per):
+        v, beg, end, slot = segs[s, 0], segs[s, 1], segs[s, 2], segs[s, 3]
+        for f in range(lane, lo, g):
+            if beg == end:  # only a row without in-edges has an empty segment
                 out[v, f] = zero
-                arg[v, f] = -1
+                if need_arg:
+                    arg[v, f] = -1
                 continue
             a = loff[f]
             b = roff[f]
@@ -130,7 +171,33 @@ def _spmm_maxmin(indptr, indices, eids, U, W, out, arg, op, loff, roff, is_max, 
                 if (is_max and m > best) or (not is_max and m < best):
                     best = m
                     besti = eids[k]
-            out[v, f] = best
+            if slot >= 0:
+                pbest[slot, f] = best
+                parg[slot, f] = besti
+            else:
+                out[v, f] = best
+                if need_arg:
+                    arg[v, f] = besti
+
+
+@cuda.jit(cache=True)
+def _merge_maxmin(hrows, hptr, pbest, parg, out, arg, is_max, need_arg):
+    lo = out.shape[1]
+    for t in range(cuda.grid(1), hrows.shape[0] * lo, cuda.gridsize(1)):
+        h = t // lo
+        f = t - h * lo
+        v = hrows[h]
+        first = hptr[h]
+        best = pbest[first, f]
+        besti = parg[first, f]
+        for s in range(first + 1, hptr[h + 1]):
+            m = pbest[s, f]
+            # segments come in edge-id order: strict comparison keeps the earliest winner
+            if (is_max and m > best) or (not is_max and m < best):
+                best = m
+                besti = parg[s, f]
+        out[v, f] = best
+        if need_arg:
             arg[v, f] = besti
 
 
@@ -139,102 +206,193 @@ def _maxmin_grad_e(arg, src, G, U, W, GE, op, loff, roff):
     """grad of max/min w.r.t. e, in the broadcast output shape [E, lo] (zeroed by the caller):
     element (v, f) writes only at its own winning edge, which no other row shares."""
     lo = G.shape[1]
-    for v in range(cuda.blockIdx.x, G.shape[0], cuda.gridDim.x):
-        for f in range(cuda.threadIdx.x, lo, cuda.blockDim.x):
-            eid = arg[v, f]
-            if eid < 0:
-                continue
-            g = G[v, f]
-            if op == SUB:
-                GE[eid, f] = -g
-            elif op == MUL:
-                GE[eid, f] = g * U[src[eid], loff[f]]
-            elif op == DIV:
-                x = W[eid, roff[f]]
-                GE[eid, f] = -g * U[src[eid], loff[f]] / (x * x)
-            else:
-                GE[eid, f] = g
+    for t in range(cuda.grid(1), G.shape[0] * lo, cuda.gridsize(1)):
+        v = t // lo
+        f = t - v * lo
+        eid = arg[v, f]
+        if eid < 0:
+            continue
+        g = G[v, f]
+        if op == SUB:
+            GE[eid, f] = -g
+        elif op == MUL:
+            GE[eid, f] = g * U[src[eid], loff[f]]
+        elif op == DIV:
+            x = W[eid, roff[f]]
+            GE[eid, f] = -g * U[src[eid], loff[f]] / (x * x)
+        else:
+            GE[eid, f] = g
 
 
 @cuda.jit(cache=True)
-def _maxmin_grad_u(tindptr, tindices, teids, arg, G, W, GU, op, roff, zero):
-    """grad of max/min w.r.t. u, [num_src, lo]: one thread per (source, feature) sums over the
-    source's out-edges (transposed CSR, edge id order) the elements that edge won; no atomics."""
+def _maxmin_grad_u(tsegs, tindices, teids, arg, G, W, GU, part, op, roff, zero, g):
+    """grad of max/min w.r.t. u, [num_src, lo]: over the transposed CSR's segments, one lane per
+    (segment, feature) sums, in edge-id order, the elements that each of the source's out-edges
+    won; no atomics."""
     lo = G.shape[1]
-    for s in range(cuda.blockIdx.x, GU.shape[0], cuda.gridDim.x):
-        beg = tindptr[s]
-        end = tindptr[s + 1]
-        for f in range(cuda.threadIdx.x, lo, cuda.blockDim.x):
+    per = cuda.blockDim.x // g
+    lane = cuda.threadIdx.x % g
+    for s in range(cuda.blockIdx.x * per + cuda.threadIdx.x // g, tsegs.shape[0],
+                   cuda.gridDim.x * per):
+        u, beg, end, slot = tsegs[s, 0], tsegs[s, 1], tsegs[s, 2], tsegs[s, 3]
+        for f in range(lane, lo, g):
+            b = roff[f]
             acc = zero
             for k in range(beg, end):
                 v = tindices[k]
                 eid = teids[k]
                 if arg[v, f] == eid:
                     if op == MUL:
-                        acc += G[v, f] * W[eid, roff[f]]
+                        acc += G[v, f] * W[eid, b]
                     elif op == DIV:
-                        acc += G[v, f] / W[eid, roff[f]]
+                        acc += G[v, f] / W[eid, b]
                     else:
                         acc += G[v, f]
-            GU[s, f] = acc
+            if slot >= 0:
+                part[slot, f] = acc
+            else:
+                GU[u, f] = acc
+
+
+# ----------------------------------------------------------------------------------------------
+# edge kernels
+
+@cuda.jit(cache=True)
+def _sddmm(dst_ids, indices, eids, L, lt, R, rt, out, op, loff, roff):
+    lo = out.shape[1]
+    for t in range(cuda.grid(1), indices.shape[0] * lo, cuda.gridsize(1)):
+        k = t // lo
+        j = t - k * lo
+        eid = eids[k]
+        li = _row(lt, indices[k], dst_ids[k], eid)
+        ri = _row(rt, indices[k], dst_ids[k], eid)
+        out[eid, j] = _bop(op, L[li, loff[j]], R[ri, roff[j]])
 
 
 @cuda.jit(cache=True)
-def _sddmm(dst_ids, indices, eids, L, lt, R, rt, out, op, loff, roff, red, zero):
+def _sddmm_dot(dst_ids, indices, eids, L, lt, R, rt, out, loff, roff, red, zero, g):
+    """One group of g lanes per (edge, output element): lanes stride the dot's ``red`` elements,
+    then a tree reduction in shared memory (fixed order: deterministic). Every thread of a block
+    runs the same number of rounds so that all of them reach each barrier."""
+    sh = cuda.shared.array(_BLOCK, float64)
     lo = out.shape[1]
-    for k in range(cuda.blockIdx.x, indices.shape[0], cuda.gridDim.x):
-        s = indices[k]
-        v = dst_ids[k]
-        eid = eids[k]
-        li = _row(lt, s, v, eid)
-        ri = _row(rt, s, v, eid)
-        for j in range(cuda.threadIdx.x, lo, cuda.blockDim.x):
+    total = indices.shape[0] * lo
+    per = cuda.blockDim.x // g
+    tid = cuda.threadIdx.x
+    lane = tid % g
+    for base in range(cuda.blockIdx.x * per, total, cuda.gridDim.x * per):
+        t = base + tid // g
+        acc = zero
+        if t < total:
+            k = t // lo
+            j = t - k * lo
+            eid = eids[k]
+            li = _row(lt, indices[k], dst_ids[k], eid)
+            ri = _row(rt, indices[k], dst_ids[k], eid)
             a = loff[j]
             b = roff[j]
-            if op == DOT:
-                acc = zero
-                for d in range(red):
-                    acc += L[li, a + d] * R[ri, b + d]
-                out[eid, j] = acc
-            else:
-                out[eid, j] = _bop(op, L[li, a], R[ri, b])
+            for d in range(lane, red, g):
+                acc += L[li, a + d] * R[ri, b + d]
+        sh[tid] = acc
+        cuda.syncthreads()
+        step = g // 2
+        while step > 0:
+            if lane < step:
+                sh[tid] += sh[tid + step]
+            cuda.syncthreads()
+            step //= 2
+        if t < total and lane == 0:
+            out[eids[t // lo], t % lo] = sh[tid]
+        # the next round's first write to sh[tid + x] must not overtake this round's reads
+        cuda.syncthreads()
 
 
 @cuda.jit(cache=True)
-def _edge_softmax(indptr, eids, S, Y, zero):
+def _softmax_rows(segs, eids, S, M, Z, pm, pz, zero, g):
+    """Per segment and feature: the max score m and sum of exp(s - m) (0 where every score is
+    -inf, so that a masked segment adds nothing when segments are combined)."""
     F = S.shape[1]
-    for v in range(cuda.blockIdx.x, indptr.shape[0] - 1, cuda.gridDim.x):
-        beg = indptr[v]
-        end = indptr[v + 1]
+    per = cuda.blockDim.x // g
+    lane = cuda.threadIdx.x % g
+    for s in range(cuda.blockIdx.x * per + cuda.threadIdx.x // g, segs.shape[0],
+                   cuda.gridDim.x * per):
+        v, beg, end, slot = segs[s, 0], segs[s, 1], segs[s, 2], segs[s, 3]
         if beg == end:
             continue
-        for f in range(cuda.threadIdx.x, F, cuda.blockDim.x):
+        for f in range(lane, F, g):
             mx = S[eids[beg], f]
             for k in range(beg + 1, end):
                 x = S[eids[k], f]
                 if x > mx:
                     mx = x
-            sm = zero
-            for k in range(beg, end):
-                x = math.exp(S[eids[k], f] - mx)
-                Y[eids[k], f] = x
-                sm += x
-            for k in range(beg, end):
-                Y[eids[k], f] = Y[eids[k], f] / sm
+            z = zero
+            if mx != -math.inf:
+                for k in range(beg, end):
+                    z += math.exp(S[eids[k], f] - mx)
+            if slot >= 0:
+                pm[slot, f] = mx
+                pz[slot, f] = z
+            else:
+                M[v, f] = mx
+                Z[v, f] = z
 
 
 @cuda.jit(cache=True)
-def _edge_softmax_backward(indptr, eids, Y, G, GS, zero):
+def _softmax_merge(hrows, hptr, pm, pz, M, Z, zero):
+    F = M.shape[1]
+    for t in range(cuda.grid(1), hrows.shape[0] * F, cuda.gridsize(1)):
+        h = t // F
+        f = t - h * F
+        v = hrows[h]
+        mx = pm[hptr[h], f]
+        for s in range(hptr[h] + 1, hptr[h + 1]):
+            if pm[s, f] > mx:
+                mx = pm[s, f]
+        z = zero
+        for s in range(hptr[h], hptr[h + 1]):
+            if pm[s, f] != -math.inf:
+                z += pz[s, f] * math.exp(pm[s, f] - mx)
+        M[v, f] = mx
+        Z[v, f] = z
+
+
+@cuda.jit(cache=True)
+def _softmax_edges(dst_ids, eids, S, M, Z, Y):
+    F = S.shape[1]
+    for t in range(cuda.grid(1), eids.shape[0] * F, cuda.gridsize(1)):
+        k = t // F
+        f = t - k * F
+        e = eids[k]
+        v = dst_ids[k]
+        Y[e, f] = math.exp(S[e, f] - M[v, f]) / Z[v, f]
+
+
+@cuda.jit(cache=True)
+def _softmax_bwd_rows(segs, eids, Y, G, T, part, zero, g):
     F = Y.shape[1]
-    for v in range(cuda.blockIdx.x, indptr.shape[0] - 1, cuda.gridDim.x):
-        beg = indptr[v]
-        end = indptr[v + 1]
-        for f in range(cuda.threadIdx.x, F, cuda.blockDim.x):
+    per = cuda.blockDim.x // g
+    lane = cuda.threadIdx.x % g
+    for s in range(cuda.blockIdx.x * per + cuda.threadIdx.x // g, segs.shape[0],
+                   cuda.gridDim.x * per):
+        v, beg, end, slot = segs[s, 0], segs[s, 1], segs[s, 2], segs[s, 3]
+        for f in range(lane, F, g):
             acc = zero
             for k in range(beg, end):
                 acc += Y[eids[k], f] * G[eids[k], f]
-            for k in range(beg, end):
-                GS[eids[k], f] = Y[eids[k], f] * (G[eids[k], f] - acc)
+            if slot >= 0:
+                part[slot, f] = acc
+            else:
+                T[v, f] = acc
+
+
+@cuda.jit(cache=True)
+def _softmax_bwd_edges(dst_ids, eids, Y, G, T, GS):
+    F = Y.shape[1]
+    for t in range(cuda.grid(1), eids.shape[0] * F, cuda.gridsize(1)):
+        k = t // F
+        f = t - k * F
+        e = eids[k]
+        GS[e, f] = Y[e, f] * (G[e, f] - T[dst_ids[k], f])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,19 +411,40 @@ def _flat(x, rows):
     return x.detach().reshape(rows, math.prod(x.shape[1:])).contiguous()
 
 
-def _launch(kernel, rows, width, device, *args):
-    if rows == 0:
-        return
-    block = 1
-    while block < min(width, 128 if not simulated() else 8):
-        block *= 2
-    grid = max(1, min(rows, _MAX_GRID if not simulated() else 64))
+def _group(width):
+    """Lanes per row: the row width rounded up to a power of two, at most a warp (or block)."""
+    g = 1
+    while g < min(width, 32, _block()):
+        g *= 2
+    return g
+
+
+def _block():
+    return _SIM_BLOCK if simulated() else _BLOCK
+
+
+def _run(kernel, grid, device, args):
+    block = _block()
+    grid = max(1, min(grid, _MAX_GRID if not simulated() else 2))
     if device.type == "cuda":
         with torch.cuda.device(device):
             stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
             kernel[grid, block, stream](*args)
     else:
         kernel[grid, block](*args)
+
+
+def _launch_groups(kernel, items, g, device, *args):
+    """``items`` units of work (segments, edges), ``g`` lanes each."""
+    if items > 0:
+        per = _block() // g
+        _run(kernel, -(-items // per), device, args)
+
+
+def _launch_flat(kernel, items, device, *args):
+    """One thread per item."""
+    if items > 0:
+        _run(kernel, -(-items // _block()), device, args)
 
 
 def _zero(dtype):
@@ -279,21 +458,72 @@ def _check_dtype(*xs):
                             f"use backend='torch' for half precision")
 
 
+class _Graph:
+    """Device views of one CSR and its row segments, built once per CSR (and per
+    ``_SEG_EDGES``)."""
+
+    def __init__(self, csr):
+        indptr = csr.indptr
+        dev = indptr.device
+        n = csr.num_dst
+        L = _SEG_EDGES
+        deg = indptr[1:] - indptr[:-1]
+        nseg = torch.clamp((deg + L - 1) // L, min=1)  # a row without edges keeps one segment
+        total = int(nseg.sum()) if n else 0
+        rows = torch.repeat_interleave(torch.arange(n, device=dev), nseg, output_size=total)
+        first = torch.cumsum(nseg, 0) - nseg
+        beg = indptr[rows] + (torch.arange(total, device=dev) - first[rows]) * L
+        end = torch.minimum(beg + L, indptr[rows + 1])
+        split = nseg > 1
+        in_split = split[rows]
+        slot = torch.where(in_split, torch.cumsum(in_split, 0) - 1, torch.full_like(rows, -1))
+        segs = torch.stack([rows, beg, end, slot], 1).contiguous()
+        hrows = torch.nonzero(split).flatten()
+        hptr = torch.zeros(hrows.numel() + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(nseg[hrows], 0, out=hptr[1:])
+        self.seg_edges = L
+        self.num_segs = total
+        self.num_slots = int(hptr[-1])
+        self.num_split = int(hrows.numel())
+        # the torch tensors stay referenced here: the device views do not own their memory
+        self._keep = (segs, hrows, hptr, csr.dst_ids())
+        self.indptr, self.indices, self.eids = _dev(indptr), _dev(csr.indices), _dev(csr.eids)
+        self.dst_ids = _dev(csr.dst_ids())
+        self.segs, self.hrows, self.hptr = _dev(segs), _dev(hrows), _dev(hptr)
+
+    def scratch(self, lo, dtype, device):
+        """[num_slots, lo] partial results of split rows (a 1-row stand-in when none)."""
+        return torch.empty((max(1, self.num_slots), lo), dtype=dtype, device=device)
+
+
 def _graph(csr):
-    key = "numba_cuda"
-    if key not in csr._backend_cache:
-        csr._backend_cache[key] = tuple(_dev(t) for t in (csr.indptr, csr.indices, csr.eids,
-                                                          csr.dst_ids()))
-    return csr._backend_cache[key]
+    g = csr._backend_cache.get(NAME)
+    if g is None or g.seg_edges != _SEG_EDGES:
+        g = csr._backend_cache[NAME] = _Graph(csr)
+    return g
 
 
-def _offsets(arr, device):
-    return _dev(torch.from_numpy(arr).to(device))
+_OFFSETS: dict = {}
+
+
+def _offsets(binop, fl, fr, fo, device):
+    """Device copies of the broadcast offset maps, cached: building and copying them each call
+    would add a host-to-device copy (and a sync) to every launch."""
+    key = (binop, fl, fr, fo, device)
+    hit = _OFFSETS.get(key)
+    if hit is None:
+        loff, roff, red = bcast_offsets(binop, fl, fr, fo)
+        tens = (torch.from_numpy(loff).to(device), torch.from_numpy(roff).to(device))
+        hit = _OFFSETS[key] = (tens, _dev(tens[0]), _dev(tens[1]), red)
+        if len(_OFFSETS) > 256:  # a long-running process with many shapes: keep it bounded
+            _OFFSETS.pop(next(iter(_OFFSETS)))
+    return hit[1], hit[2], hit[3]
 
 
 def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     _check_dtype(lhs, rhs)
-    indptr, indices, eids, _ = _graph(csr)
+    gr = _graph(csr)
+    dev = csr.device
     fu = tuple(lhs.shape[1:]) if lhs is not None else ()
     fe = tuple(rhs.shape[1:]) if rhs is not None else ()
     fo = out_feat_shape(binop, fu, fe)
@@ -303,19 +533,35 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     W = _flat(rhs, csr.num_edges) if rhs is not None else None
     U = U if U is not None else W
     W = W if W is not None else U
-    loff, roff, _ = bcast_offsets(binop, fu, fe, fo)
-    loff, roff = _offsets(loff, csr.device), _offsets(roff, csr.device)
-    out = torch.empty((csr.num_dst, lo), dtype=dtype, device=csr.device)
+    loff, roff, _ = _offsets(binop, fu, fe, fo, dev)
+    out = torch.empty((csr.num_dst, lo), dtype=dtype, device=dev)
+    g = _group(lo)
     arg = None
+    if lo == 0 or csr.num_dst == 0:
+        if reduce in ("max", "min") and need_arg:
+            arg = torch.empty((csr.num_dst,) + fo, dtype=torch.int64, device=dev)
+        return out.reshape((csr.num_dst,) + fo), arg
     if reduce in ("sum", "mean"):
-        _launch(_spmm_sum, csr.num_dst, lo, csr.device, indptr, indices, eids, _dev(U), _dev(W),
-                _dev(out), _CODE[binop], loff, roff, reduce == "mean", _zero(dtype))
+        part = gr.scratch(lo, dtype, dev)
+        _launch_groups(_spmm_sum, gr.num_segs, g, dev, gr.segs, gr.indices, gr.eids, _dev(U),
+                       _dev(W), _dev(out), _dev(part), _CODE[binop], loff, roff,
+                       reduce == "mean", _zero(dtype), g)
+        if gr.num_split:
+            _launch_flat(_merge_sum, gr.num_split * lo, dev, gr.hrows, gr.hptr, gr.indptr,
+                         _dev(part), _dev(out), reduce == "mean", _zero(dtype))
     else:
-        arg = torch.empty((csr.num_dst, lo), dtype=torch.int64, device=csr.device)
-        _launch(_spmm_maxmin, csr.num_dst, lo, csr.device, indptr, indices, eids, _dev(U),
-                _dev(W), _dev(out), _dev(arg), _CODE[binop], loff, roff, reduce == "max",
-                _zero(dtype))
-        arg = arg.reshape((csr.num_dst,) + fo)
+        arg = torch.empty((csr.num_dst, lo) if need_arg else (1, 1), dtype=torch.int64,
+                          device=dev)
+        pbest = gr.scratch(lo, dtype, dev)
+        parg = torch.empty(pbest.shape, dtype=torch.int64, device=dev)
+        is_max = reduce == "max"
+        _launch_groups(_spmm_maxmin, gr.num_segs, g, dev, gr.segs, gr.indices, gr.eids,
+                       _dev(U), _dev(W), _dev(out), _dev(arg), _dev(pbest), _dev(parg),
+                       _CODE[binop], loff, roff, is_max, need_arg, _zero(dtype), g)
+        if gr.num_split:
+            _launch_flat(_merge_maxmin, gr.num_split * lo, dev, gr.hrows, gr.hptr, _dev(pbest),
+                         _dev(parg), _dev(out), _dev(arg), is_max, need_arg)
+        arg = arg.reshape((csr.num_dst,) + fo) if need_arg else None
     return out.reshape((csr.num_dst,) + fo), arg
 
 
@@ -324,6 +570,7 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
     :func:`spmm`). Computed in the broadcast output shape with one writer per element (no
     atomics, deterministic), then summed down to the operands' shapes by torch."""
     _check_dtype(g, lhs, rhs)
+    dev = csr.device
     fo = tuple(g.shape[1:])
     lo = math.prod(fo)
     G = _flat(g, csr.num_dst)
@@ -332,29 +579,35 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
     fe = tuple(rhs.shape[1:]) if rhs is not None else ()
     U = _flat(lhs, csr.num_src) if lhs is not None else G
     W = _flat(rhs, csr.num_edges) if rhs is not None else G
-    loff, roff, _ = bcast_offsets(binop, fu, fe, fo)
-    loff, roff = _offsets(loff, csr.device), _offsets(roff, csr.device)
+    loff, roff, _ = _offsets(binop, fu, fe, fo, dev)
     op = _CODE[binop]
     gu = ge = None
     if need_lhs:
-        t = csr.transpose()
-        tindptr, tindices, teids, _ = _graph(t)
-        gu = torch.empty((csr.num_src, lo), dtype=g.dtype, device=csr.device)
-        _launch(_maxmin_grad_u, csr.num_src, lo, csr.device, tindptr, tindices, teids, _dev(A),
-                _dev(G), _dev(W), _dev(gu), op, roff, _zero(g.dtype))
+        t = _graph(csr.transpose())
+        gu = torch.empty((csr.num_src, lo), dtype=g.dtype, device=dev)
+        if lo and csr.num_src:
+            part = t.scratch(lo, g.dtype, dev)
+            grp = _group(lo)
+            _launch_groups(_maxmin_grad_u, t.num_segs, grp, dev, t.segs, t.indices, t.eids,
+                           _dev(A), _dev(G), _dev(W), _dev(gu), _dev(part), op, roff,
+                           _zero(g.dtype), grp)
+            if t.num_split:
+                _launch_flat(_merge_sum, t.num_split * lo, dev, t.hrows, t.hptr, t.indptr,
+                             _dev(part), _dev(gu), False, _zero(g.dtype))
         gu = reduce_to(gu.reshape((csr.num_src,) + fo), fu)
     if need_rhs:
         src, _ = csr.coo()
-        ge = torch.zeros((csr.num_edges, lo), dtype=g.dtype, device=csr.device)
-        _launch(_maxmin_grad_e, csr.num_dst, lo, csr.device, _dev(A), _dev(src), _dev(G), _dev(U),
-                _dev(W), _dev(ge), op, loff, roff)
+        ge = torch.zeros((csr.num_edges, lo), dtype=g.dtype, device=dev)
+        _launch_flat(_maxmin_grad_e, csr.num_dst * lo, dev, _dev(A), _dev(src), _dev(G),
+                     _dev(U), _dev(W), _dev(ge), op, loff, roff)
         ge = reduce_to(ge.reshape((csr.num_edges,) + fo), fe)
     return gu, ge
 
 
 def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
     _check_dtype(lhs, rhs)
-    _, indices, eids, dst_ids = _graph(csr)
+    gr = _graph(csr)
+    dev = csr.device
     rows = {"u": csr.num_src, "v": csr.num_dst, "e": csr.num_edges}
     fl = tuple(lhs.shape[1:])
     fr = tuple(rhs.shape[1:]) if rhs is not None else ()
@@ -364,30 +617,60 @@ def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
         R, rhs_target = L, lhs_target
     else:
         R = _flat(rhs, rows[rhs_target])
-    loff, roff, red = bcast_offsets(binop, fl, fr, fo)
+    loff, roff, red = _offsets(binop, fl, fr, fo, dev)
     lo = math.prod(fo)
-    out = torch.empty((csr.num_edges, lo), dtype=lhs.dtype, device=csr.device)
-    _launch(_sddmm, csr.num_edges, lo, csr.device, dst_ids, indices, eids, _dev(L),
-            _TARGET[lhs_target], _dev(R), _TARGET[rhs_target], _dev(out), _CODE[binop],
-            _offsets(loff, csr.device), _offsets(roff, csr.device), red, _zero(lhs.dtype))
+    out = torch.empty((csr.num_edges, lo), dtype=lhs.dtype, device=dev)
+    common = (gr.dst_ids, gr.indices, gr.eids, _dev(L), _TARGET[lhs_target], _dev(R),
+              _TARGET[rhs_target], _dev(out))
+    if binop == "dot":
+        grp = _group(red)
+        _launch_groups(_sddmm_dot, csr.num_edges * lo, grp, dev, *common, loff, roff, red,
+                       _zero(lhs.dtype), grp)
+    else:
+        _launch_flat(_sddmm, csr.num_edges * lo, dev, *common, _CODE[binop], loff, roff)
     return out.reshape((csr.num_edges,) + fo)
 
 
 def edge_softmax(csr, scores):
     _check_dtype(scores)
-    indptr, _, eids, _ = _graph(csr)
+    gr = _graph(csr)
+    dev = csr.device
     S = _flat(scores, csr.num_edges)
+    F = S.shape[1]
     Y = torch.empty_like(S)
-    _launch(_edge_softmax, csr.num_dst, S.shape[1], csr.device, indptr, eids, _dev(S), _dev(Y),
-            _zero(scores.dtype))
+    if csr.num_edges and F:
+        M = torch.empty((csr.num_dst, F), dtype=S.dtype, device=dev)
+        Z = torch.empty_like(M)
+        pm, pz = gr.scratch(F, S.dtype, dev), gr.scratch(F, S.dtype, dev)
+        grp = _group(F)
+        zero = _zero(S.dtype)
+        _launch_groups(_softmax_rows, gr.num_segs, grp, dev, gr.segs, gr.eids, _dev(S), _dev(M),
+                       _dev(Z), _dev(pm), _dev(pz), zero, grp)
+        if gr.num_split:
+            _launch_flat(_softmax_merge, gr.num_split * F, dev, gr.hrows, gr.hptr, _dev(pm),
+                         _dev(pz), _dev(M), _dev(Z), zero)
+        _launch_flat(_softmax_edges, csr.num_edges * F, dev, gr.dst_ids, gr.eids, _dev(S),
+                     _dev(M), _dev(Z), _dev(Y))
     return Y.reshape(scores.shape)
 
 
 def edge_softmax_backward(csr, y, grad_y):
     _check_dtype(y, grad_y)
-    indptr, _, eids, _ = _graph(csr)
+    gr = _graph(csr)
+    dev = csr.device
     Y, G = _flat(y, csr.num_edges), _flat(grad_y, csr.num_edges)
+    F = Y.shape[1]
     GS = torch.empty_like(Y)
-    _launch(_edge_softmax_backward, csr.num_dst, Y.shape[1], csr.device, indptr, eids, _dev(Y),
-            _dev(G), _dev(GS), _zero(y.dtype))
+    if csr.num_edges and F:
+        T = torch.empty((csr.num_dst, F), dtype=Y.dtype, device=dev)
+        part = gr.scratch(F, Y.dtype, dev)
+        grp = _group(F)
+        zero = _zero(Y.dtype)
+        _launch_groups(_softmax_bwd_rows, gr.num_segs, grp, dev, gr.segs, gr.eids, _dev(Y),
+                       _dev(G), _dev(T), _dev(part), zero, grp)
+        if gr.num_split:
+            _launch_flat(_merge_sum, gr.num_split * F, dev, gr.hrows, gr.hptr, gr.indptr,
+                         _dev(part), _dev(T), False, zero)
+        _launch_flat(_softmax_bwd_edges, csr.num_edges * F, dev, gr.dst_ids, gr.eids, _dev(Y),
+                     _dev(G), _dev(T), _dev(GS))
     return GS.reshape(y.shape)

@@ -5,8 +5,15 @@ from __future__ import annotations
 import math
 
 import torch
+from numba import config as numba_config
 
 from kernels import CSR
+
+
+# Where the numba_cuda backend's tests compute: CPU tensors in the CUDA simulator (CI, no GPU), or
+# CUDA tensors on a real GPU (run the suite with NUMBA_ENABLE_CUDASIM=0 on a GPU machine).
+CUDA_SIM = bool(numba_config.ENABLE_CUDASIM)
+CUDA_DEVICE = "cpu" if CUDA_SIM else "cuda"
 
 
 def _g(name, src, dst, num_nodes):

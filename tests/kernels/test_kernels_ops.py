@@ -4,6 +4,8 @@ x ops x reducers x feature shapes, plus dtype / index-dtype variants and gradche
 import pytest
 import torch
 from kernels_testutil import (
+    CUDA_DEVICE,
+    CUDA_SIM,
     GRAPH_IDS,
     GRAPHS,
     make_csr,
@@ -16,15 +18,16 @@ from kernels_testutil import (
 import kernels
 
 BACKENDS = ["torch", "numba", "numba_cuda"]
-# numba_cuda runs in the CUDA simulator here (one python thread per GPU thread): tiny graphs only.
+# numba_cuda runs in the CUDA simulator in CI (one python thread per GPU thread): tiny graphs only;
+# on a GPU it runs on CUDA tensors over every graph.
 SIM_GRAPHS = ["empty", "isolated", "self_loops", "multi_edges", "in_star", "bipartite"]
-DEVICE = {"numba_cuda": "cuda" if torch.cuda.is_available() else "cpu"}
+DEVICE = {"numba_cuda": CUDA_DEVICE}
 
 
 def _backend_graphs():
     for backend in BACKENDS:
         for graph in GRAPHS:
-            if backend == "numba_cuda" and graph[0] not in SIM_GRAPHS:
+            if backend == "numba_cuda" and CUDA_SIM and graph[0] not in SIM_GRAPHS:
                 continue
             yield pytest.param(backend, graph, id=f"{backend}-{graph[0]}")
 
@@ -162,7 +165,8 @@ def test_edge_softmax_matches_reference(backend, graph, shape):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("heads", [(), (2,)])  # numba: one score per edge takes another path
 def test_edge_softmax_large_scores_are_stable(backend, dtype, heads):
-    graph = GRAPHS[GRAPH_IDS.index("multi_edges" if backend == "numba_cuda" else "random")]
+    sim = backend == "numba_cuda" and CUDA_SIM
+    graph = GRAPHS[GRAPH_IDS.index("multi_edges" if sim else "random")]
     csr = make_csr(graph)
     s = rand((csr.num_edges,) + heads, torch.float64, 7) * 10 + 5000  # exp(5000) overflows
     dcsr, (ds,) = _on(backend, csr, [s.to(dtype)])
@@ -178,7 +182,7 @@ def test_edge_softmax_large_scores_are_stable(backend, dtype, heads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("graph", ["isolated", "multi_edges", "random_bipartite"])
 def test_dtypes_and_index_dtypes(backend, graph, dtype, index_dtype):
-    if backend == "numba_cuda" and graph not in SIM_GRAPHS:
+    if backend == "numba_cuda" and CUDA_SIM and graph not in SIM_GRAPHS:
         graph = "bipartite"
     csr = make_csr(GRAPHS[GRAPH_IDS.index(graph)], index_dtype)
     assert csr.index_dtype == index_dtype
@@ -207,7 +211,7 @@ GRADCHECK_GRAPHS = ["isolated", "self_loops", "multi_edges", "bipartite"]
 
 @pytest.mark.parametrize("backend,graph", [
     (b, g) for b in BACKENDS for g in GRADCHECK_GRAPHS
-    if b != "numba_cuda" or g in ("multi_edges", "bipartite")  # the simulator is slow
+    if b != "numba_cuda" or not CUDA_SIM or g in ("multi_edges", "bipartite")  # the simulator is slow
 ])
 def test_gradcheck(backend, graph):
     csr = make_csr(GRAPHS[GRAPH_IDS.index(graph)]).to(DEVICE.get(backend, "cpu"))

@@ -1,0 +1,151 @@
+"""numba_cuda specifics: rows split into segments (hub rows of power-law graphs), bitwise
+determinism, torch's current stream, dtypes it refuses. Runs in the CUDA simulator on tiny graphs
+(CI) and on CUDA tensors with realistic sizes on a GPU (NUMBA_ENABLE_CUDASIM=0)."""
+
+import pytest
+import torch
+from kernels_testutil import CUDA_DEVICE, CUDA_SIM
+
+import kernels
+from kernels import CSR, _numba_cuda
+
+needs_gpu = pytest.mark.skipif(CUDA_SIM, reason="needs a GPU (the CUDA simulator is on)")
+
+
+def _power_law(n, e, seed, device):
+    """Destinations drawn from x**4 (vertex 0 gets the most in-edges) and sources likewise, so
+    that both the CSR and its transpose have hub rows."""
+    gen = torch.Generator().manual_seed(seed)
+    dst = (torch.rand(e, generator=gen) ** 4 * n).long()
+    src = (torch.rand(e, generator=gen) ** 4 * n).long().flip(0)
+    return CSR.from_coo(src, dst, n).to(device)
+
+
+@pytest.fixture
+def seg_edges(monkeypatch):
+    """Under the simulator, split every row longer than 3 positions (tiny graphs then exercise the
+    split path); on a GPU keep the real segment length and use graphs with long rows."""
+    if CUDA_SIM:
+        monkeypatch.setattr(_numba_cuda, "_SEG_EDGES", 3)
+    return _numba_cuda._SEG_EDGES
+
+
+def _graph(seg):
+    n, e = (12, 60) if CUDA_SIM else (2000, 200_000)
+    csr = _power_law(n, e, 0, CUDA_DEVICE)
+    # both orientations must have rows of several segments, or the test checks nothing new
+    assert int(csr.in_degrees().max()) > 2 * seg
+    assert int(csr.transpose().in_degrees().max()) > 2 * seg
+    return csr
+
+
+def _run(backend, fn, inputs, g):
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(backend, *leaves)
+    grads = torch.autograd.grad(out, leaves, g)
+    return [out.detach()] + list(grads)
+
+
+def _close(got, want, dtype):
+    tol = {torch.float32: 2e-5, torch.float64: 1e-11}[dtype]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("op,reduce", [("copy_u", "sum"), ("u_mul_e", "mean"),
+                                       ("u_mul_e", "max"), ("u_sub_e", "min"),
+                                       ("copy_e", "max")])
+def test_split_rows_gspmm_match_torch(seg_edges, op, reduce, dtype):
+    csr = _graph(seg_edges)
+    gen = torch.Generator().manual_seed(1)
+    f = 5 if CUDA_SIM else 40
+    u = torch.randn(csr.num_src, f, generator=gen, dtype=torch.float64).to(dtype).to(csr.device)
+    e = (torch.rand(csr.num_edges, 1, generator=gen, dtype=torch.float64) + 0.5)
+    if op == "copy_e":
+        e = torch.randn(csr.num_edges, f, generator=gen, dtype=torch.float64)
+    e = e.to(dtype).to(csr.device)
+    g = torch.randn(csr.num_dst, f, generator=gen, dtype=torch.float64).to(dtype).to(csr.device)
+    ins = [x for x, used in ((u, op != "copy_e"), (e, op != "copy_u")) if used]
+
+    def fn(backend, *xs):
+        uu = xs[0] if op != "copy_e" else None
+        ee = xs[-1] if op != "copy_u" else None
+        return kernels.gspmm(csr, op, reduce, u=uu, e=ee, backend=backend)
+
+    _close(_run("numba_cuda", fn, ins, g), _run("torch", fn, ins, g), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("heads", [(), (3,)])
+def test_split_rows_edge_softmax_match_torch(seg_edges, heads, dtype):
+    csr = _graph(seg_edges)
+    gen = torch.Generator().manual_seed(2)
+    s = torch.randn((csr.num_edges,) + heads, generator=gen, dtype=torch.float64) * 4
+    # masked scores: a whole segment of -inf inside a hub row must add nothing to its sum
+    order = csr.eids.long().cpu()
+    s[order[: 2 * seg_edges]] = float("-inf")
+    s = s.to(dtype).to(csr.device)
+    g = torch.randn(s.shape, generator=gen, dtype=torch.float64).to(dtype).to(csr.device)
+    fn = lambda backend, x: kernels.edge_softmax(csr, x, backend=backend)  # noqa: E731
+    got, want = _run("numba_cuda", fn, [s], g), _run("torch", fn, [s], g)
+    assert torch.isfinite(got[0]).all()
+    _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("red", [1, 3, 32, 70])
+def test_dot_reduction_widths(red):
+    """u_dot_v with dot lengths below, at and above a lane group (tree reduction in shared
+    memory), several heads, forward and gradients."""
+    csr = _power_law(9, 30, 3, CUDA_DEVICE) if CUDA_SIM else _power_law(500, 20_000, 3, "cuda")
+    gen = torch.Generator().manual_seed(4)
+    u = torch.randn(csr.num_src, 2, red, generator=gen, dtype=torch.float64).to(csr.device)
+    v = torch.randn(csr.num_dst, 2, red, generator=gen, dtype=torch.float64).to(csr.device)
+    g = torch.randn(csr.num_edges, 2, 1, generator=gen, dtype=torch.float64).to(csr.device)
+    fn = lambda backend, a, b: kernels.gsddmm(csr, "u_dot_v", u=a, v=b, backend=backend)  # noqa
+    _close(_run("numba_cuda", fn, [u, v], g), _run("torch", fn, [u, v], g), torch.float64)
+
+
+def test_bitwise_deterministic(seg_edges):
+    csr = _graph(seg_edges)
+    gen = torch.Generator().manual_seed(5)
+    u = torch.randn(csr.num_src, 7, generator=gen).to(csr.device)
+    w = torch.rand(csr.num_edges, 1, generator=gen).to(csr.device)
+    g = torch.randn(csr.num_dst, 7, generator=gen).to(csr.device)
+    fn = lambda backend, a, b: kernels.gspmm(csr, "u_mul_e", "sum", u=a, e=b,  # noqa: E731
+                                             backend=backend)
+    first = _run("numba_cuda", fn, [u, w], g)
+    for _ in range(2):
+        for a, b in zip(_run("numba_cuda", fn, [u, w], g), first):
+            assert torch.equal(a, b)
+
+
+def test_refuses_half_precision_and_auto_falls_back():
+    csr = _power_law(6, 12, 6, CUDA_DEVICE)
+    u = torch.randn(6, 4, device=CUDA_DEVICE).half()
+    with pytest.raises(TypeError, match="supports float32 and float64 \\(got torch.float16\\)"):
+        kernels.gspmm(csr, "copy_u", "sum", u=u, backend="numba_cuda")
+    if not CUDA_SIM:  # on a GPU "auto" picks numba_cuda, and the torch reference for half
+        out = kernels.gspmm(csr, "copy_u", "sum", u=u)
+        ref = kernels.gspmm(csr, "copy_u", "sum", u=u.float(), backend="torch")
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+@needs_gpu
+def test_runs_on_the_gpu_on_torchs_current_stream():
+    """The kernels are compiled for the device (not simulated) and queue on torch's current
+    stream: work on a side stream, followed by a wait, gives the default stream's result."""
+    assert not _numba_cuda.simulated()
+    csr = _power_law(3000, 300_000, 7, "cuda")
+    u = torch.randn(csr.num_src, 64, device="cuda")
+    ref = kernels.gspmm(csr, "copy_u", "sum", u=u, backend="numba_cuda")
+    assert ref.is_cuda and len(_numba_cuda._spmm_sum.overloads) > 0
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        u2 = u * 1.0  # queued on the side stream: the kernel must run after it
+        out = kernels.gspmm(csr, "copy_u", "sum", u=u2, backend="numba_cuda")
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(
+        ref, kernels.gspmm(csr, "copy_u", "sum", u=u, backend="torch"), rtol=1e-5, atol=1e-4)
