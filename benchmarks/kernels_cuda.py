@@ -11,7 +11,9 @@ benchmarks/kernels.py (one index and one F-wide row read per edge, one row writt
 destination). Before timing, each forward method's output is compared with ngra's (max |diff| /
 max |ngra|, the "check" column), so a fast wrong answer shows.
 
-Outputs: a table on stdout, ``kernels_cuda.csv`` and ``kernels_cuda.png`` in ``--out``.
+Outputs: a table on stdout, ``kernels_cuda.csv`` and ``kernels_cuda.png`` in ``--out``. With
+``--baseline-module FILE`` another implementation of the backend (e.g. an earlier revision,
+``git show REV:kernels/_numba_cuda.py > /tmp/prev.py``) is timed in the same rounds.
 
     python benchmarks/kernels_cuda.py --out results/kernels_cuda          # on a GPU machine
     NUMBA_ENABLE_CUDASIM=1 python benchmarks/kernels_cuda.py --tiny --out /tmp/kc   # smoke test:
@@ -48,13 +50,14 @@ NGRA = "ngra numba_cuda"
 
 def graph_specs(args):
     if args.tiny:
-        return [("uniform-30-90", lambda: _cpu.uniform_graph(30, 90, 0)),
-                ("rmat-s4-ef3", lambda: _cpu.rmat_graph(4, 3, 1))]
-    if args.quick:
-        return [("uniform-20K-300K", lambda: _cpu.uniform_graph(20_000, 300_000, 0)),
-                ("rmat-s14-ef16", lambda: _cpu.rmat_graph(14, 16, 1))]
-    specs = [("uniform-200K-3M", lambda: _cpu.uniform_graph(200_000, 3_000_000, 0)),
-             ("rmat-s21-ef16", lambda: _cpu.rmat_graph(21, 16, 2))]
+        specs = [("uniform-30-90", lambda: _cpu.uniform_graph(30, 90, 0)),
+                 ("rmat-s4-ef3", lambda: _cpu.rmat_graph(4, 3, 1))]
+    elif args.quick:
+        specs = [("uniform-20K-300K", lambda: _cpu.uniform_graph(20_000, 300_000, 0)),
+                 ("rmat-s14-ef16", lambda: _cpu.rmat_graph(14, 16, 1))]
+    else:
+        specs = [("uniform-200K-3M", lambda: _cpu.uniform_graph(200_000, 3_000_000, 0)),
+                 ("rmat-s21-ef16", lambda: _cpu.rmat_graph(21, 16, 2))]
     if args.graphs:
         wanted = set(args.graphs.split(","))
         specs = [s for s in specs if s[0].split("-")[0] in wanted or s[0] in wanted]
@@ -132,7 +135,38 @@ def method_fns(g, case):
             csr, x["s"], backend="torch")
         if g.get("pyg_softmax") is not None:
             fns["PyG softmax"] = lambda x: g["pyg_softmax"](x["s"], dst, num_nodes=n)
+    if g.get("baseline") is not None:
+        fns[BASELINE] = baseline_fn(g, case)
     return fns
+
+
+BASELINE = "baseline module"
+
+
+def load_baseline(path):
+    """Another numba_cuda implementation, imported as a module of the kernels package (its
+    relative imports then resolve)."""
+    spec = importlib.util.spec_from_file_location("kernels._numba_cuda_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def baseline_fn(g, case):
+    """The baseline module through the same autograd Functions as ngra's kernels, on its own CSR
+    object (both modules cache per-graph data under the backend's name)."""
+    from kernels import _api
+    from kernels._ops import SPMM_OPS
+
+    mod, csr = g["baseline"], g["baseline_csr"]
+    if case["kernel"] == "gspmm":
+        binop = SPMM_OPS[case["op"]]
+        return lambda x: _api._GSpMM.apply(csr, mod, binop, case["reduce"], x.get("u"),
+                                           x.get("e"))
+    if case["kernel"] == "gsddmm":
+        return lambda x: _api._GSDDMM.apply(csr, mod, "dot", "u", "v", x["u"], x["v"])
+    return lambda x: _api._EdgeSoftmax.apply(csr, mod, x["s"])
 
 
 def runner(fn, case, x, timer):
@@ -178,7 +212,8 @@ def time_case(case, fns, x, reps, timer, probe, free_bytes):
     for m, fn in fns.items():
         if isinstance(fn, str):
             continue
-        need = _cpu.case_bytes(case, n, e, m not in (NGRA, "torch.sparse.mm (cuSPARSE)"))
+        need = _cpu.case_bytes(case, n, e,
+                               m not in (NGRA, BASELINE, "torch.sparse.mm (cuSPARSE)"))
         if need > 0.8 * free_bytes:
             out[m] = f"skipped: needs ~{need / 2**30:.0f} GiB, {free_bytes / 2**30:.0f} GiB free"
         else:
@@ -257,6 +292,8 @@ def main():
     ap.add_argument("--reps", type=int, default=None, help="timed runs per method (best kept)")
     ap.add_argument("--graphs", default="", help="comma list: uniform, rmat")
     ap.add_argument("--feats", default="", help="comma list of feature sizes")
+    ap.add_argument("--baseline-module", default="",
+                    help="file of another numba_cuda implementation to time alongside")
     ap.add_argument("--out", default=str(REPO / "results" / "kernels_cuda"))
     args = ap.parse_args()
     reps = args.reps or (1 if args.tiny else 10)
@@ -284,7 +321,9 @@ def main():
         pyg_note = f"PyG {torch_geometric.__version__}"
     except ImportError as err:
         pyg, pyg_note = {"pyg_reason": f"not installed ({err})"}, "PyG: not installed"
-    print(f"device: {where}; torch {torch.__version__}; {pyg_note}", flush=True)
+    baseline = load_baseline(args.baseline_module) if args.baseline_module else None
+    print(f"device: {where}; torch {torch.__version__}; {pyg_note}"
+          + (f"; baseline module {args.baseline_module}" if baseline else ""), flush=True)
     jit_s = first_call_seconds(device)
     print(f"numba_cuda first call of the benchmarked kernels (fwd+bwd): {jit_s:.1f} s", flush=True)
     probe, probe_bytes = copy_probe(device, timer, 1.0 if device.type == "cuda" else 1 / 64)
@@ -303,7 +342,9 @@ def main():
         csr = kernels.CSR.from_coo(src.int(), dst.int(), n)
         g = {"csr": csr, "src": src, "dst": dst, "n": n, "indptr": csr.indptr,
              "indices64": csr.indices.long(), "eids": csr.eids.long(),
-             "ones": torch.ones(e, device=device), "edge_index": edge_index, **pyg}
+             "ones": torch.ones(e, device=device), "edge_index": edge_index, **pyg,
+             "baseline": baseline, "baseline_csr": kernels.CSR(
+                 csr.indptr, csr.indices, csr.eids, n, n) if baseline else None}
         deg = csr.in_degrees()
         print(f"graph {gname}: {n} vertices, {e} edges, max in-degree {int(deg.max())} "
               f"({time.perf_counter() - t0:.1f} s to make)", flush=True)

@@ -481,14 +481,19 @@ class _Graph:
         hrows = torch.nonzero(split).flatten()
         hptr = torch.zeros(hrows.numel() + 1, dtype=torch.int64, device=dev)
         torch.cumsum(nseg[hrows], 0, out=hptr[1:])
+        dst_ids = csr.dst_ids()
         self.seg_edges = L
         self.num_segs = total
         self.num_slots = int(hptr[-1])
         self.num_split = int(hrows.numel())
+        if dev.type == "cuda":
+            # Built on this call's stream; a later call may run on another stream, which must
+            # not start reading these before they are written. Once per CSR.
+            torch.cuda.current_stream(dev).synchronize()
         # the torch tensors stay referenced here: the device views do not own their memory
-        self._keep = (segs, hrows, hptr, csr.dst_ids())
+        self._keep = (segs, hrows, hptr, dst_ids)
         self.indptr, self.indices, self.eids = _dev(indptr), _dev(csr.indices), _dev(csr.eids)
-        self.dst_ids = _dev(csr.dst_ids())
+        self.dst_ids = _dev(dst_ids)
         self.segs, self.hrows, self.hptr = _dev(segs), _dev(hrows), _dev(hptr)
 
     def scratch(self, lo, dtype, device):
@@ -514,9 +519,12 @@ def _offsets(binop, fl, fr, fo, device):
     if hit is None:
         loff, roff, red = bcast_offsets(binop, fl, fr, fo)
         tens = (torch.from_numpy(loff).to(device), torch.from_numpy(roff).to(device))
-        hit = _OFFSETS[key] = (tens, _dev(tens[0]), _dev(tens[1]), red)
+        if device.type == "cuda":  # as in _Graph: later calls may run on other streams
+            torch.cuda.current_stream(device).synchronize()
+        hit = (tens, _dev(tens[0]), _dev(tens[1]), red)
         if len(_OFFSETS) > 256:  # a long-running process with many shapes: keep it bounded
-            _OFFSETS.pop(next(iter(_OFFSETS)))
+            _OFFSETS.clear()
+        _OFFSETS[key] = hit
     return hit[1], hit[2], hit[3]
 
 
