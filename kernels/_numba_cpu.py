@@ -477,44 +477,51 @@ def _maxmin_grad_e(parts, indptr, indices, eids, won, G, U, W, GE, op, loff, rof
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _maxmin_grad_u(tparts, tindptr, tindices, teids, tpos, won, G, W, GU, op, loff, roff, pf):
+def _maxmin_grad_u(tparts, tbptr, nblk, tindices, teids, tpos, won, G, W, GU, op, loff, roff,
+                   pf):
     """Gradient of max/min w.r.t. the source operand, in its own shape.
 
     Parallel over SOURCE rows of the transposed CSR: each source sums, over its out-edges in edge
     id order, the output elements that edge won (``tpos`` maps a transposed position to the
     forward CSR position whose ``won`` bits it reads). One thread per GU row: race-free and
-    deterministic without atomics.
+    deterministic without atomics. In ``nblk`` blocks of destinations (layout as in
+    :func:`_spmm_sum`, over the transposed CSR): a block's G rows, and its ``won`` words (the
+    forward CSR keeps a destination's edges together), stay cached while it runs.
     """
     nw = won.shape[1]
     lg = G.shape[1]
     lu = GU.shape[1]
     lw = W.shape[1]
     gline = max(1, 64 // G.itemsize)
-    for p in prange(tparts.size - 1):
-        pend = tindptr[tparts[p + 1]]
-        for s in range(tparts[p], tparts[p + 1]):
-            gurow = GU[s]
-            for f in range(lu):
-                gurow[f] = 0
-            for kt in range(tindptr[s], tindptr[s + 1]):
-                if kt + pf < pend:
-                    _prefetch_row(G, tindices[kt + pf], lg, gline)
-                    _prefetch_row(won, tpos[kt + pf], nw, 16)
-                    if op == MUL or op == DIV:
-                        _prefetch_row(W, teids[kt + pf], lw, gline)
-                k = tpos[kt]
-                grow = G[tindices[kt]]
-                for w in range(nw):
-                    bits = np.int64(won[k, w])
-                    while bits != 0:
-                        f = (w << 5) + _ctz(bits)
-                        bits &= bits - 1
-                        if op == MUL:
-                            gurow[loff[f]] += grow[f] * W[teids[kt], roff[f]]
-                        elif op == DIV:
-                            gurow[loff[f]] += grow[f] / W[teids[kt], roff[f]]
-                        else:
-                            gurow[loff[f]] += grow[f]
+    ns = GU.shape[0]
+    for b in range(nblk):
+        base = b * ns
+        for p in prange(tparts.size - 1):
+            pend = tbptr[base + tparts[p + 1]]
+            for s in range(tparts[p], tparts[p + 1]):
+                gurow = GU[s]
+                if b == 0:
+                    for f in range(lu):
+                        gurow[f] = 0
+                for kt in range(tbptr[base + s], tbptr[base + s + 1]):
+                    if kt + pf < pend:
+                        _prefetch_row(G, tindices[kt + pf], lg, gline)
+                        _prefetch_row(won, tpos[kt + pf], nw, 16)
+                        if op == MUL or op == DIV:
+                            _prefetch_row(W, teids[kt + pf], lw, gline)
+                    k = tpos[kt]
+                    grow = G[tindices[kt]]
+                    for w in range(nw):
+                        bits = np.int64(won[k, w])
+                        while bits != 0:
+                            f = (w << 5) + _ctz(bits)
+                            bits &= bits - 1
+                            if op == MUL:
+                                gurow[loff[f]] += grow[f] * W[teids[kt], roff[f]]
+                            elif op == DIV:
+                                gurow[loff[f]] += grow[f] / W[teids[kt], roff[f]]
+                            else:
+                                gurow[loff[f]] += grow[f]
 
 
 @njit(inline="always")
@@ -529,43 +536,49 @@ def _row(target, s, v, eid):
 # reassoc lets LLVM vectorize the dot-product reduction (a fixed, compile-time order: results
 # stay bitwise reproducible run to run, though not identical to a sequential sum).
 @njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def _sddmm(parts, indptr, indices, eids, L, lt, R, rt, out, op, mode, loff, roff, red, pf):
+def _sddmm(parts, bptr, nblk, indices, eids, L, lt, R, rt, out, op, mode, loff, roff, red, pf):
+    """One result row per edge, written at the edge's id; in ``nblk`` source blocks laid out as
+    for :func:`_spmm_sum` (``bptr`` = indptr when unblocked). Each edge is written once, so the
+    block order changes no result."""
     lo = out.shape[1]
     ll = L.shape[1]
     line = max(1, 64 // L.itemsize)
-    for p in prange(parts.size - 1):
-        pend = indptr[parts[p + 1]]
-        for v in range(parts[p], parts[p + 1]):
-            for k in range(indptr[v], indptr[v + 1]):
-                if lt == 0 and k + pf < pend:
-                    _prefetch_row(L, indices[k + pf], ll, line)
-                s = indices[k]
-                eid = eids[k]
-                lrow = L[_row(lt, s, v, eid)]
-                rrow = R[_row(rt, s, v, eid)]
-                orow = out[eid]
-                if mode == S_DOT_ROW:
-                    acc = lrow[0] * rrow[0]
-                    for d in range(1, red):
-                        acc += lrow[d] * rrow[d]
-                    orow[0] = acc
-                elif mode == S_DOT:
-                    for j in range(lo):
-                        a = loff[j]
-                        b = roff[j]
-                        acc = lrow[a] * rrow[b]
+    nd = parts[parts.size - 1]
+    for b in range(nblk):
+        base = b * nd
+        for p in prange(parts.size - 1):
+            pend = bptr[base + parts[p + 1]]
+            for v in range(parts[p], parts[p + 1]):
+                for k in range(bptr[base + v], bptr[base + v + 1]):
+                    if lt == 0 and k + pf < pend:
+                        _prefetch_row(L, indices[k + pf], ll, line)
+                    s = indices[k]
+                    eid = eids[k]
+                    lrow = L[_row(lt, s, v, eid)]
+                    rrow = R[_row(rt, s, v, eid)]
+                    orow = out[eid]
+                    if mode == S_DOT_ROW:
+                        acc = lrow[0] * rrow[0]
                         for d in range(1, red):
-                            acc += lrow[a + d] * rrow[b + d]
-                        orow[j] = acc
-                elif mode == S_COPY:
-                    for f in range(lo):
-                        orow[f] = lrow[f]
-                elif mode == S_SAME:
-                    for f in range(lo):
-                        orow[f] = _bop(op, lrow[f], rrow[f])
-                else:
-                    for f in range(lo):
-                        orow[f] = _bop(op, lrow[loff[f]], rrow[roff[f]])
+                            acc += lrow[d] * rrow[d]
+                        orow[0] = acc
+                    elif mode == S_DOT:
+                        for j in range(lo):
+                            a = loff[j]
+                            b = roff[j]
+                            acc = lrow[a] * rrow[b]
+                            for d in range(1, red):
+                                acc += lrow[a + d] * rrow[b + d]
+                            orow[j] = acc
+                    elif mode == S_COPY:
+                        for f in range(lo):
+                            orow[f] = lrow[f]
+                    elif mode == S_SAME:
+                        for f in range(lo):
+                            orow[f] = _bop(op, lrow[f], rrow[f])
+                    else:
+                        for f in range(lo):
+                            orow[f] = _bop(op, lrow[loff[f]], rrow[roff[f]])
 
 
 @njit(inline="always")
@@ -747,8 +760,11 @@ def _num_blocks(num_src, num_dst, num_edges, src_row_bytes, out_row_bytes):
     if src_bytes <= _BLOCK_BYTES or num_edges == 0:
         return 1
     gather = num_edges * src_row_bytes
+    # Every block pass visits every row, and the block pointers take num_dst int64 per block:
+    # no more blocks than the average in-degree keeps both within the CSR's own size.
+    most = min(_MAX_BLOCKS, num_src, max(1, num_edges // max(1, num_dst)))
     best, best_cost, k = 1, math.inf, 1
-    while k <= _MAX_BLOCKS and k <= num_src:
+    while k <= most:
         per_byte = 1 + _GATHER_GROWTH * math.log2(max(1.0, src_bytes / k / _BLOCK_BYTES))
         cost = gather * per_byte + _STREAM_COST * (2 * k - 1) * num_dst * out_row_bytes
         if cost < best_cost:
@@ -773,6 +789,16 @@ def _blocked(csr, nblk):
         _launch(_block_csr, parts, indptr, indices, eids, bsize, bptr, bind, beids)
         cache[key] = (bptr, bind, beids)
     return cache[key]
+
+
+def _block_array(csr, nblk, arr):
+    """A per-position array [E] of ``csr`` reordered into its ``nblk``-block layout."""
+    parts, indptr, indices, _ = _arrays(csr)
+    bptr = np.zeros(nblk * csr.num_dst + 1, dtype=np.int64)
+    out = np.empty_like(arr)
+    _launch(_block_csr, parts, indptr, indices, arr, -(-csr.num_src // nblk), bptr,
+            np.empty_like(indices), out)
+    return out
 
 
 def _launch(kernel, *args):
@@ -904,16 +930,22 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     return out.reshape((csr.num_dst,) + fo), arg
 
 
-def _fwd_positions(t, csr):
-    """For each position of the transposed CSR ``t``, the position of the same edge in ``csr``
-    (cached on ``t``, whose transpose ``csr`` is fixed)."""
+def _fwd_positions(t, csr, nblk=1):
+    """For each position of the transposed CSR ``t`` (in its ``nblk``-block layout, see
+    :func:`_blocked`), the position of the same edge in ``csr`` (cached on ``t``, whose transpose
+    ``csr`` is fixed)."""
     cache = t._backend_cache
     if "numba_fwd_pos" not in cache:
         eids = csr.eids.numpy()
         inv = np.empty(eids.size, dtype=eids.dtype)
         inv[eids] = np.arange(eids.size, dtype=eids.dtype)
         cache["numba_fwd_pos"] = inv[t.eids.numpy()]
-    return cache["numba_fwd_pos"]
+    if nblk == 1:
+        return cache["numba_fwd_pos"]
+    key = ("numba_fwd_pos", nblk)
+    if key not in cache:
+        cache[key] = _block_array(t, nblk, cache["numba_fwd_pos"])
+    return cache[key]
 
 
 def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
@@ -933,10 +965,17 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
     gu = ge = None
     if need_lhs:
         t = csr.transpose()
-        tparts, tindptr, tindices, teids = _arrays(t)
+        tparts = _arrays(t)[0]
+        # the gathered rows are G's (destinations are the transpose's sources); a row also reads
+        # its won words, and writes its GU row once per block
+        nblk = _num_blocks(t.num_src, t.num_dst, t.num_edges,
+                           G.shape[1] * G.itemsize + won.shape[1] * won.itemsize,
+                           math.prod(fu) * g.element_size())
+        tbptr, tindices, teids = _blocked(t, nblk)
         gu = _empty((csr.num_src, math.prod(fu)), g.dtype)
-        _launch(_maxmin_grad_u, tparts, tindptr, tindices, teids, _fwd_positions(t, csr), won, G,
-                W, gu.numpy(), op, loff, roff, _prefetch_distance(G.shape[1] * G.itemsize))
+        _launch(_maxmin_grad_u, tparts, tbptr, nblk, tindices, teids, _fwd_positions(t, csr, nblk),
+                won, G, W, gu.numpy(), op, loff, roff,
+                _prefetch_distance(G.shape[1] * G.itemsize))
         gu = gu.reshape((csr.num_src,) + fu)
     if need_rhs:
         parts, indptr, indices, eids = _arrays(csr)
@@ -977,7 +1016,15 @@ def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
     out = _empty((csr.num_edges, math.prod(fo)), lhs.dtype)
     if binop == "dot" and red == 0:  # dot over an empty dim
         return out.zero_().reshape((csr.num_edges,) + fo)
-    _launch(_sddmm, parts, indptr, indices, eids, L, _TARGET[lhs_target], R, _TARGET[rhs_target],
+    nblk = 1
+    if lhs_target == "u" and rhs_target != "u":
+        # Blocking pays for the source rows read at random; each pass after the first reads the
+        # destination operand once more (read only: half a g-SpMM output's read + write).
+        v_bytes = R.shape[1] * R.itemsize // 2 if rhs_target == "v" else 0
+        nblk = _num_blocks(csr.num_src, csr.num_dst, csr.num_edges, L.shape[1] * L.itemsize,
+                           v_bytes)
+    bptr, bind, beids = _blocked(csr, nblk)
+    _launch(_sddmm, parts, bptr, nblk, bind, beids, L, _TARGET[lhs_target], R, _TARGET[rhs_target],
             out.numpy(), _CODE[binop], mode, loff, roff, red,
             _prefetch_distance(L.shape[1] * L.itemsize))
     return out.reshape((csr.num_edges,) + fo)
