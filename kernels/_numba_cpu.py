@@ -11,6 +11,10 @@ reducer and broadcast layout are runtime arguments rather than compile-time spec
 keeps the number of compiled signatures (and so the first-call compile time) small. Branches on
 them sit outside the per-feature loops, so the hot loops stay simple enough to vectorize.
 Source rows are gathered at random, so the gather loops prefetch the row a few edges ahead.
+When the gathered rows outgrow the last-level cache, the sum/mean g-SpMM, the g-SDDMM and the
+max/min gradient w.r.t. u run in blocks of source rows (a blocked copy of the CSR, cached on it):
+one pass per block over all destination rows, so the block's rows, and their page-table entries,
+stay cached; the block count comes from a cost model (_num_blocks).
 """
 
 from __future__ import annotations
