@@ -9,7 +9,7 @@ long after every other. Rows longer than ``_SEG_EDGES`` are split; their segment
 results to a scratch buffer that a second, tiny kernel combines in segment order. Each output
 element is thus reduced in a fixed order by fixed threads: no atomics, and results are bitwise
 reproducible run to run. Edge-parallel stages (g-SDDMM, the last pass of edge softmax) use one
-thread per output element; dot products use one lane group per edge and a tree reduction in
+thread per output element; dot products use one lane group per edge whose partial sums meet in
 shared memory (the CUDA simulator has no warp shuffles, and CI tests this backend there).
 
 Torch CUDA tensors go to the kernels zero-copy through ``__cuda_array_interface__`` and the kernels
@@ -39,7 +39,8 @@ _TARGET = {"u": 0, "v": 1, "e": 2}
 # Longest run of CSR positions one lane group reduces alone. 128 keeps the partial-result traffic
 # of split rows under 1% of the edge traffic while bounding a group's serial walk.
 _SEG_EDGES = 128
-_BLOCK = 256  # threads per block on a GPU (the shared scratch of the dot kernel is this big)
+_BLOCK = 256  # threads per block on a GPU
+_DOT_SHARED = 2 * _BLOCK  # the dot kernel's double-buffered scratch (a constant for numba)
 _SIM_BLOCK = 8  # the simulator runs one Python thread per GPU thread
 _MAX_GRID = 1 << 16  # blocks per launch; kernels stride over the rest
 
@@ -271,15 +272,19 @@ def _sddmm(dst_ids, indices, eids, L, lt, R, rt, out, op, loff, roff):
 
 @cuda.jit(cache=True)
 def _sddmm_dot(dst_ids, indices, eids, L, lt, R, rt, out, loff, roff, red, zero, g):
-    """One group of g lanes per (edge, output element): lanes stride the dot's ``red`` elements,
-    then a tree reduction in shared memory (fixed order: deterministic). Every thread of a block
-    runs the same number of rounds so that all of them reach each barrier."""
-    sh = cuda.shared.array(_BLOCK, float64)
+    """One group of g lanes per (edge, output element): lanes stride the dot's ``red`` elements
+    and the group's first lane adds the g partial sums from shared memory in lane order (fixed
+    order: deterministic). Shared memory is double-buffered by round parity, so one barrier per
+    round suffices: a round's buffer is rewritten two rounds later, after a barrier its readers
+    passed only when done. Every thread of a block runs the same number of rounds, so that all
+    of them reach each barrier."""
+    sh = cuda.shared.array(_DOT_SHARED, float64)
     lo = out.shape[1]
     total = indices.shape[0] * lo
     per = cuda.blockDim.x // g
     tid = cuda.threadIdx.x
     lane = tid % g
+    half = 0
     for base in range(cuda.blockIdx.x * per, total, cuda.gridDim.x * per):
         t = base + tid // g
         acc = zero
@@ -293,18 +298,14 @@ def _sddmm_dot(dst_ids, indices, eids, L, lt, R, rt, out, loff, roff, red, zero,
             b = roff[j]
             for d in range(lane, red, g):
                 acc += L[li, a + d] * R[ri, b + d]
-        sh[tid] = acc
+        sh[half + tid] = acc
         cuda.syncthreads()
-        step = g // 2
-        while step > 0:
-            if lane < step:
-                sh[tid] += sh[tid + step]
-            cuda.syncthreads()
-            step //= 2
         if t < total and lane == 0:
-            out[eids[t // lo], t % lo] = sh[tid]
-        # the next round's first write to sh[tid + x] must not overtake this round's reads
-        cuda.syncthreads()
+            s = sh[half + tid]
+            for i in range(1, g):
+                s += sh[half + tid + i]
+            out[eids[t // lo], t % lo] = s
+        half = _BLOCK - half
 
 
 @cuda.jit(cache=True)
