@@ -106,6 +106,17 @@ def _row(target, s, v, eid):
     return eid
 
 
+@cuda.jit(device=True, inline=True)
+def _beats(m, best, is_max):
+    """Whether m replaces best, scanning in edge-id order: strict comparisons keep the first
+    (smallest edge id) of tied edges, and NaN wins and stays, as in torch's amax/amin."""
+    if best != best:
+        return False
+    if m != m:
+        return True
+    return (is_max and m > best) or (not is_max and m < best)
+
+
 # ----------------------------------------------------------------------------------------------
 # segmented row kernels: segs[s] = (row, first CSR position, end position, scratch slot or -1)
 
@@ -168,8 +179,7 @@ def _spmm_maxmin(segs, indices, eids, U, W, out, arg, pbest, parg, op, loff, rof
             besti = eids[beg]
             for k in range(beg + 1, end):
                 m = _msg(op, U, W, indices[k], eids[k], a, b)
-                # strict comparisons keep the first (smallest edge id) of tied edges
-                if (is_max and m > best) or (not is_max and m < best):
+                if _beats(m, best, is_max):
                     best = m
                     besti = eids[k]
             if slot >= 0:
@@ -193,8 +203,7 @@ def _merge_maxmin(hrows, hptr, pbest, parg, out, arg, is_max, need_arg):
         besti = parg[first, f]
         for s in range(first + 1, hptr[h + 1]):
             m = pbest[s, f]
-            # segments come in edge-id order: strict comparison keeps the earliest winner
-            if (is_max and m > best) or (not is_max and m < best):
+            if _beats(m, best, is_max):  # segments come in edge-id order
                 best = m
                 besti = parg[s, f]
         out[v, f] = best

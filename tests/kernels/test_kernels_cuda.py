@@ -149,3 +149,19 @@ def test_runs_on_the_gpu_on_torchs_current_stream():
     assert torch.equal(out, ref)
     torch.testing.assert_close(
         ref, kernels.gspmm(csr, "copy_u", "sum", u=u, backend="torch"), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("reduce", ["max", "min"])
+def test_split_rows_nan_propagates_like_torch(seg_edges, reduce):
+    """A NaN in a later segment of a hub row wins over the earlier segments' values, as in
+    torch's amax/amin (forward; a NaN has no defined winner edge to route gradients to)."""
+    csr = _graph(seg_edges)
+    hub = int(csr.in_degrees().argmax())
+    beg, end = int(csr.indptr[hub]), int(csr.indptr[hub + 1])
+    u = torch.randn(csr.num_src, 3, generator=torch.Generator().manual_seed(9)).to(csr.device)
+    u[csr.indices[beg + seg_edges + 1].long(), 1] = float("nan")  # in the hub's 2nd segment
+    assert end > beg + seg_edges + 1
+    got = kernels.gspmm(csr, "copy_u", reduce, u=u, backend="numba_cuda")
+    want = kernels.gspmm(csr, "copy_u", reduce, u=u, backend="torch")
+    assert torch.isnan(got[hub, 1])
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
