@@ -374,7 +374,11 @@ def _softmax_edges(dst_ids, eids, S, M, Z, Y):
         f = t - k * F
         e = eids[k]
         v = dst_ids[k]
-        Y[e, f] = math.exp(S[e, f] - M[v, f]) / Z[v, f]
+        m = M[v, f]
+        if m == -math.inf:  # every score of the row masked: 0/0, NaN as in the torch reference
+            Y[e, f] = math.nan
+        else:
+            Y[e, f] = math.exp(S[e, f] - m) / Z[v, f]
 
 
 @cuda.jit(cache=True)

@@ -3,6 +3,7 @@ numba against the torch reference; both numba paths (one score per edge, several
 
 import pytest
 import torch
+from kernels_testutil import CUDA_DEVICE
 
 import kernels
 from kernels import CSR
@@ -43,16 +44,18 @@ def test_masked_scores(heads):
     s = torch.tensor([1.0, -float("inf"), 2.0, -float("inf"), 0.5, -float("inf")], dtype=torch.float64)
     s = s.reshape((6,) + (1,) * len(heads)).expand((6,) + heads).contiguous()
     outs = {}
-    for backend in ("numba", "torch"):
-        x = s.clone().requires_grad_()
-        y = kernels.edge_softmax(csr, x, backend=backend)
+    for backend in ("numba", "torch", "numba_cuda"):
+        dev = CUDA_DEVICE if backend == "numba_cuda" else "cpu"
+        x = s.clone().to(dev).requires_grad_()
+        y = kernels.edge_softmax(csr.to(dev), x, backend=backend)
         (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
-        outs[backend] = (y.detach(), gx)
+        outs[backend] = (y.detach().cpu(), gx.cpu())
     y, gx = outs["numba"]
     e1, e2 = torch.exp(torch.tensor(1.0, dtype=torch.float64)), torch.exp(torch.tensor(2.0, dtype=torch.float64))
     want = torch.tensor([e1 / (e1 + e2), 0.0, e2 / (e1 + e2), 0.0, 1.0, float("nan")], dtype=torch.float64)
     torch.testing.assert_close(y.reshape(6, -1), want.unsqueeze(1).expand(6, y[0].numel()),
                                equal_nan=True)
     assert (gx[[1, 3]] == 0).all()
-    for a, b in zip(outs["numba"], outs["torch"]):
-        torch.testing.assert_close(a, b, equal_nan=True)
+    for other in ("torch", "numba_cuda"):
+        for a, b in zip(outs["numba"], outs[other]):
+            torch.testing.assert_close(a, b, equal_nan=True)
