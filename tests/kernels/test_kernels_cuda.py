@@ -47,9 +47,14 @@ def _run(backend, fn, inputs, g):
 
 
 def _close(got, want, dtype):
+    """Within tol of the largest magnitude: hub rows on a GPU sum ~30K terms, in another order
+    than the torch reference's atomics, so an output that cancels to ~0 carries the rounding of
+    its large partial sums (a wrong split or merge is off by O(1) of that scale)."""
     tol = {torch.float32: 2e-5, torch.float64: 1e-11}[dtype]
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol, equal_nan=True)
+        finite = b[torch.isfinite(b)]
+        scale = float(finite.abs().max()) if finite.numel() else 1.0
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, scale), equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -147,8 +152,7 @@ def test_runs_on_the_gpu_on_torchs_current_stream():
         out = kernels.gspmm(csr, "copy_u", "sum", u=u2, backend="numba_cuda")
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(out, ref)
-    torch.testing.assert_close(
-        ref, kernels.gspmm(csr, "copy_u", "sum", u=u, backend="torch"), rtol=1e-5, atol=1e-4)
+    _close([ref], [kernels.gspmm(csr, "copy_u", "sum", u=u, backend="torch")], torch.float32)
 
 
 @pytest.mark.parametrize("reduce", ["max", "min"])

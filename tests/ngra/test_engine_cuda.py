@@ -74,8 +74,11 @@ def _run(layer, g, vdata, edata, backend, engine=None, launches=None):
 
 
 def _close(got, want):
+    # within 1e-5 of each tensor's largest magnitude: on a GPU, sums over thousands of terms
+    # (parameter gradients) are added in another order than the reference's
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * scale)
 
 
 @pytest.mark.parametrize("num_chunks", [1, 3])
