@@ -169,3 +169,11 @@ def test_split_rows_nan_propagates_like_torch(seg_edges, reduce):
     want = kernels.gspmm(csr, "copy_u", reduce, u=u, backend="torch")
     assert torch.isnan(got[hub, 1])
     torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
+def test_refuses_cpu_tensors_outside_the_simulator(monkeypatch):
+    monkeypatch.setattr(_numba_cuda, "simulated", lambda: False)  # as on a GPU machine
+    csr = _power_law(6, 12, 6, "cpu")
+    with pytest.raises(ValueError, match="backend 'numba_cuda' runs on CUDA tensors \\(got "
+                                         "device cpu\\)"):
+        kernels.gspmm(csr, "copy_u", "sum", u=torch.ones(6, 2), backend="numba_cuda")
