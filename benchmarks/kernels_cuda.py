@@ -105,9 +105,9 @@ def method_fns(g, case):
                 return torch.sparse.mm(a, x["u"])
             fns["torch.sparse.mm (cuSPARSE)"] = spmm
         elif reduce != "sum":
-            fns["torch.sparse.mm (cuSPARSE)"] = "reduce='amax' is CPU-only in torch"
-        else:
-            fns["torch.sparse.mm (cuSPARSE)"] = "no gradient for the sparse values"
+            fns["torch.sparse.mm (cuSPARSE)"] = "reduce= is CPU-only in torch (its docs)"
+        else:  # the edge weights' gradient is one w.r.t. the CSR values
+            fns["torch.sparse.mm (cuSPARSE)"] = "not timed: gradient w.r.t. CSR values"
 
         def index_add(x):
             msg = x["u"].index_select(0, src)
