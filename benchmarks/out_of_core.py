@@ -1,12 +1,13 @@
 """Out-of-core training: a 2-layer GCN on a graph whose features and edges on disk exceed RAM.
 
-1. Generate a graph straight into a chunk store (``partition.ChunkStore.write_from_blocks``),
-   streaming: edges block by block (uniform random multigraph by default; R-MAT with
+1. In a child process, generate a graph straight into a chunk store
+   (``partition.ChunkStore.write_from_blocks``), streaming: edges block by block (uniform random multigraph by default; R-MAT with
    ``--generator rmat``, much slower to draw: ~2M edges/s on a busy 2-core machine), labels ``y``
    uniform over the classes and
    features ``x = mu[y] + U(-1, 1)`` [N, F] float32, row block by row block. Nothing graph-sized
    is ever in memory; the disk must hold the store.
-2. In a fresh process (so that its ``ru_maxrss`` covers training only), open the store with
+2. In another fresh child of the small driver process (a child's ``ru_maxrss`` starts at its
+   parent's resident set, so the trainer must not be forked from the writer), open the store with
    ``mmap=False`` and train :class:`ngra.ooc.OutOfCoreGCN` (X W1 read from disk in row blocks,
    both propagations streamed by ``ngra.Engine(store=...)``, their backward over the store's
    transposed view, vertex data [N, hidden] resident)
@@ -289,6 +290,8 @@ def main(argv=None) -> dict:
                     help="seconds between progress-bar updates (log-friendly)")
     ap.add_argument("--train-store", type=Path, help=argparse.SUPPRESS)  # internal: child mode
     ap.add_argument("--train-json", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--generate-store", type=Path, help=argparse.SUPPRESS)  # internal: child
+    ap.add_argument("--generate-json", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     for k, v in (SMALL if a.small else LARGE).items():
         if getattr(a, k) is None:
@@ -301,6 +304,9 @@ def main(argv=None) -> dict:
     if a.train_store is not None:  # child: train and write the JSON
         a.store = a.train_store
         a.train_json.write_text(json.dumps(train(a)))
+        return {}
+    if a.generate_store is not None:  # child: write the store and the JSON
+        a.generate_json.write_text(json.dumps(generate(a.generate_store, a)))
         return {}
 
     if a.intervals is None:
@@ -322,21 +328,33 @@ def main(argv=None) -> dict:
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     print(f"config: {config}; host RAM {fmt(mem_total)}; store {path}", flush=True)
     try:
-        gen = {"generate_s": None}
-        if not (a.reuse_store and (path / "manifest.json").is_file()):
-            gen = generate(path, a)
-        disk = store_bytes(path)
-        print(f"store on disk: features {fmt(disk['features'])} + edges {fmt(disk['edges'])} "
-              f"= {fmt(disk['features_plus_edges'])} "
-              f"({disk['features_plus_edges'] / mem_total:.2f} x host RAM)", flush=True)
+        # Generation and training each run in a child of this (small) process. A child's
+        # ru_maxrss starts at its parent's resident set when it was forked (Linux accounts the
+        # forked copy of the parent's memory before exec replaces it): measured here, a child of
+        # a process holding 2 GiB reported 2074 MiB at its first line. The writer's RSS counts
+        # the store's memory-mapped pages it touched (~14 GiB for the 26 GiB store), so a
+        # trainer forked from it reported that as its own peak.
         with tempfile.TemporaryDirectory() as td:
+            common = ["--progress-interval", str(a.progress_interval)]
+            for k in ("nodes", "features", "edges", "hidden", "classes", "epochs", "seed",
+                      "intervals", "generator"):
+                common += [f"--{k}", str(getattr(a, k))]
+            common += ["--memory-budget", a.memory_budget] + (["--reuse-store"] if a.reuse_store
+                                                             else [])
+            script = str(Path(__file__).resolve())
+            gen = {"generate_s": None}
+            if not (a.reuse_store and (path / "manifest.json").is_file()):
+                gen_json = Path(td) / "generate.json"
+                subprocess.run([sys.executable, script, "--generate-store", str(path),
+                                "--generate-json", str(gen_json), *common], check=True)
+                gen = json.loads(gen_json.read_text())
+            disk = store_bytes(path)
+            print(f"store on disk: features {fmt(disk['features'])} + edges "
+                  f"{fmt(disk['edges'])} = {fmt(disk['features_plus_edges'])} "
+                  f"({disk['features_plus_edges'] / mem_total:.2f} x host RAM)", flush=True)
             out_json = Path(td) / "train.json"
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--train-store", str(path),
-                   "--train-json", str(out_json), "--progress-interval", str(a.progress_interval)]
-            for k in ("nodes", "features", "edges", "hidden", "classes", "epochs", "seed"):
-                cmd += [f"--{k}", str(getattr(a, k))]
-            cmd += ["--memory-budget", a.memory_budget]
-            subprocess.run(cmd, check=True)
+            subprocess.run([sys.executable, script, "--train-store", str(path), "--train-json",
+                            str(out_json), *common], check=True)
             trained = json.loads(out_json.read_text())
     finally:
         if not a.keep_store:
