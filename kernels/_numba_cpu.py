@@ -214,10 +214,10 @@ def _spmm_sum(parts, indptr, bptr, nblk, indices, eids, U, W, out, op, mode, inn
     lw = W.shape[1]
     uline = max(1, 64 // U.itemsize)
     nd = out.shape[0]
-    for b in range(nblk):
-        base = b * nd
+    for blk in range(nblk):
+        base = blk * nd
         for p in prange(parts.size - 1):
-            _spmm_sum_part(parts[p], parts[p + 1], base, b == 0, mean and b == nblk - 1, indptr,
+            _spmm_sum_part(parts[p], parts[p + 1], base, blk == 0, mean and blk == nblk - 1, indptr,
                            bptr, indices, eids, U, W, out, op, mode, inner, loff, roff, pf, lo,
                            lu, lw, uline)
 
@@ -498,13 +498,13 @@ def _maxmin_grad_u(tparts, tbptr, nblk, tindices, teids, tpos, won, G, W, GU, op
     lw = W.shape[1]
     gline = max(1, 64 // G.itemsize)
     ns = GU.shape[0]
-    for b in range(nblk):
-        base = b * ns
+    for blk in range(nblk):
+        base = blk * ns
         for p in prange(tparts.size - 1):
             pend = tbptr[base + tparts[p + 1]]
             for s in range(tparts[p], tparts[p + 1]):
                 gurow = GU[s]
-                if b == 0:
+                if blk == 0:
                     for f in range(lu):
                         gurow[f] = 0
                 for kt in range(tbptr[base + s], tbptr[base + s + 1]):
@@ -548,8 +548,8 @@ def _sddmm(parts, bptr, nblk, indices, eids, L, lt, R, rt, out, op, mode, loff, 
     ll = L.shape[1]
     line = max(1, 64 // L.itemsize)
     nd = parts[parts.size - 1]
-    for b in range(nblk):
-        base = b * nd
+    for blk in range(nblk):
+        base = blk * nd
         for p in prange(parts.size - 1):
             pend = bptr[base + parts[p + 1]]
             for v in range(parts[p], parts[p + 1]):

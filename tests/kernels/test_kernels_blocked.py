@@ -179,7 +179,8 @@ def test_blocked_sddmm_equals_unblocked(force_blocks, graph, op, fu, fv, fe):
 @pytest.mark.parametrize("graph", GRAPHS, ids=GRAPH_IDS)
 @pytest.mark.parametrize("reduce", ["max", "min"])
 @pytest.mark.parametrize("op,fu,fe", [("copy_u", (5,), None), ("u_mul_e", (2, 3), (2, 1)),
-                                      ("u_div_e", (4,), (1,))], ids=["copy_u", "u_mul_e", "u_div_e"])
+                                      ("u_div_e", (4,), (1,))],
+                         ids=["copy_u", "u_mul_e", "u_div_e"])
 def test_blocked_maxmin_grad_u(force_blocks, graph, reduce, op, fu, fe):
     """max/min gradient w.r.t. u runs in destination blocks of the transposed CSR; it must still
     route each output element's gradient to its winning edge (reference: the torch backend)."""
