@@ -913,7 +913,7 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     op = _CODE[binop]
     if reduce in ("sum", "mean"):
         nblk = 1
-        if mode != M_COPY_E:  # copy_e reads no source rows
+        if mode != M_COPY_E and csr.blocking:  # copy_e reads no source rows
             nblk = _num_blocks(csr.num_src, csr.num_dst, csr.num_edges, U.shape[1] * U.itemsize,
                                lo * out.element_size())
         bptr, bind, beids = _blocked(csr, nblk)
@@ -974,7 +974,7 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
         # its won words, and writes its GU row once per block
         nblk = _num_blocks(t.num_src, t.num_dst, t.num_edges,
                            G.shape[1] * G.itemsize + won.shape[1] * won.itemsize,
-                           math.prod(fu) * g.element_size())
+                           math.prod(fu) * g.element_size()) if t.blocking else 1
         tbptr, tindices, teids = _blocked(t, nblk)
         gu = _empty((csr.num_src, math.prod(fu)), g.dtype)
         _launch(_maxmin_grad_u, tparts, tbptr, nblk, tindices, teids, _fwd_positions(t, csr, nblk),
@@ -1021,7 +1021,7 @@ def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
     if binop == "dot" and red == 0:  # dot over an empty dim
         return out.zero_().reshape((csr.num_edges,) + fo)
     nblk = 1
-    if lhs_target == "u" and rhs_target != "u":
+    if lhs_target == "u" and rhs_target != "u" and csr.blocking:
         # Blocking pays for the source rows read at random; each pass after the first reads the
         # destination operand once more (read only: half a g-SpMM output's read + write).
         v_bytes = R.shape[1] * R.itemsize // 2 if rhs_target == "v" else 0

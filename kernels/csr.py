@@ -23,11 +23,16 @@ class CSR:
 
     Inside a row, positions are sorted by original edge id (a stable sort), which makes every
     reduction order, and so every result, deterministic.
+
+    ``blocking`` (default True) lets the numba CPU backend keep a copy of the edges grouped in
+    source blocks (about E x (index + edge id) bytes plus blocks x num_dst pointers, cached per
+    block count) where that speeds up a gather; a CSR whose memory is budgeted by its owner (the
+    streaming engine's columns) sets it to False, and its transpose and device copies inherit it.
     """
 
     __slots__ = ("indptr", "indices", "eids", "num_src", "num_dst", "_transpose", "_dst_ids",
                  "__weakref__",
-                 "_coo", "_deg", "_backend_cache")
+                 "_coo", "_deg", "_backend_cache", "blocking")
 
     def __init__(self, indptr, indices, eids, num_src, num_dst):
         self.indptr = indptr
@@ -42,6 +47,7 @@ class CSR:
         # Per-backend derived data (numpy views, row partitions, device copies), filled lazily by
         # the kernel backends so that it is computed once per graph rather than once per call.
         self._backend_cache = {}
+        self.blocking = True
 
     @classmethod
     def from_coo(cls, src, dst, num_nodes, *, index_dtype=None) -> "CSR":
@@ -122,6 +128,7 @@ class CSR:
             src_e, dst_e = src[by_eid], dst[by_eid]
             t = CSR.from_coo(dst_e, src_e, (self.num_dst, self.num_src), index_dtype=self.index_dtype)
             t._transpose = self
+            t.blocking = self.blocking
             self._transpose = t
         return self._transpose
 
@@ -129,8 +136,10 @@ class CSR:
         device = torch.device(device)
         if device == self.device:
             return self
-        return CSR(self.indptr.to(device), self.indices.to(device), self.eids.to(device),
-                   self.num_src, self.num_dst)
+        out = CSR(self.indptr.to(device), self.indices.to(device), self.eids.to(device),
+                  self.num_src, self.num_dst)
+        out.blocking = self.blocking
+        return out
 
     def __repr__(self) -> str:
         return (f"CSR(num_src={self.num_src}, num_dst={self.num_dst}, num_edges={self.num_edges}, "

@@ -237,6 +237,7 @@ class _GraphColumns:
             rank[order] = torch.arange(hi - lo, dtype=order.dtype, device=order.device)
             csr = kernels.CSR(ptr - lo, full.indices[lo:hi].to(idx), rank.to(idx),
                               self.g.num_nodes, b - a)
+            csr.blocking = False  # no source-blocked copies beyond what the estimate counts
             col = self._cols[j] = _Column(j, slice(a, b), csr, eids[order])
         return _transposed(col) if transpose else col
 
@@ -276,6 +277,7 @@ class _ChunkColumns:
         """Chunk ``(i, j)`` alone (sources local to interval ``i``), as read from the source."""
         ch = self.source.chunk(i, j)
         csr = ch.csr().to(self.device)
+        csr.blocking = False
         eids = torch.from_numpy(np.array(ch.eids, dtype=np.int64)).to(self.device)
         return _Column(j, slice(ch.dst_start, ch.dst_stop), csr, eids,
                        src=slice(ch.src_start, ch.src_stop))
@@ -308,6 +310,7 @@ class _ChunkColumns:
         # destination, so rows are in original edge order as in memory.
         csr = kernels.CSR.from_coo(torch.from_numpy(src), torch.from_numpy(dst),
                                    (n, b - a)).to(self.device)
+        csr.blocking = False
         return _Column(j, slice(a, b), csr, torch.from_numpy(eids).to(self.device))
 
 

@@ -195,3 +195,32 @@ def test_blocked_maxmin_grad_u(force_blocks, graph, reduce, op, fu, fe):
         g = rand(out.shape, torch.float64, 13) if g is None else g
         grads.append(torch.autograd.grad(out, u, g)[0])
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def _blocked_keys(csr):
+    return [k for k in csr._backend_cache if isinstance(k, tuple) and k[0] == "numba_blocked"]
+
+
+@pytest.mark.parametrize("op,fu,fe", [("copy_u", (5,), None), ("u_mul_e", (4,), (1,))])
+def test_blocking_opt_out_keeps_no_blocked_copy(force_blocks, op, fu, fe):
+    """A CSR with ``blocking = False`` (the streaming engine's columns: their memory is
+    budgeted) gets no source-blocked copy, in forward, backward or its transpose, and the same
+    results as one that is blocked."""
+    force_blocks(3)
+    results = []
+    for blocking in (True, False):
+        csr = make_csr(GRAPHS[-1], torch.int64)
+        csr.blocking = blocking
+        u = rand((csr.num_src,) + fu, torch.float64, 1).requires_grad_()
+        e = rand((csr.num_edges,) + fe, torch.float64, 2).requires_grad_() if fe else None
+        out = kernels.gspmm(csr, op, "sum", u=u, e=e, backend="numba")
+        grads = torch.autograd.grad(out, [x for x in (u, e) if x is not None],
+                                    rand(out.shape, torch.float64, 3))
+        results.append((out, grads))
+        t = csr.transpose()
+        assert t.blocking is blocking and csr.to("cpu").blocking is blocking
+        keys = _blocked_keys(csr) + _blocked_keys(t)
+        assert (len(keys) > 0) is blocking, keys
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b)
