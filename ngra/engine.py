@@ -65,7 +65,9 @@ Where the columns come from
   per column;
 - a chunk store: the column's chunks read from disk at every pass (forward, and the rebuilding
   in backward), on a prefetch thread that loads the next column while this one computes (in
-  backward, the column before).
+  backward, the column before). On CUDA the thread copies the column to the device from pinned
+  memory on a side stream, and the compute stream waits on an event for it (:func:`_upload`);
+  that path has not yet run on a GPU (none was lent to this project so far).
 
 Columns of in-memory graphs (their CSR, and the transposed CSR the kernels cache on it in
 backward) are prepared by the first calls and cached by the engine, as the graph caches its own
@@ -195,6 +197,41 @@ class _Column:
     eids: torch.Tensor
     transposed: bool = False  # its transposed CSR (for backward) is built and cached on ``csr``
     src: slice | None = None  # a single chunk's source interval; None: all vertices
+    ready: Any = None  # CUDA: event recorded after the column's host-to-device copies
+
+
+def _upload(csr, eids: torch.Tensor, device: torch.device, stream=None):
+    """A column built on the host, moved to ``device``: ``(csr, eids, event or None)``.
+
+    On CUDA the copies run from pinned memory, non-blocking, on ``stream`` (the loader's side
+    stream), so that when a prefetch thread loads column k+1 its copies overlap the kernels of
+    column k on the compute stream; the returned event marks their end, and :meth:`_Loader.get`
+    makes the compute stream wait for it before the column is used. Elsewhere a plain ``.to``.
+    """
+    if device.type != "cuda" or stream is None:
+        return csr.to(device), eids.to(device), None
+    import kernels
+
+    with torch.cuda.stream(stream):
+        up = [t.pin_memory().to(device, non_blocking=True)
+              for t in (csr.indptr, csr.indices, csr.eids, eids)]
+        event = torch.cuda.Event()
+        event.record(stream)
+    dev = kernels.CSR(up[0], up[1], up[2], csr.num_src, csr.num_dst)
+    dev.blocking = csr.blocking
+    return dev, up[3], event
+
+
+def _ready(col: "_Column") -> "_Column":
+    """Orders the current (compute) stream after ``col``'s copies, and tells the caching
+    allocator that the compute stream uses tensors allocated on the side stream."""
+    if col.ready is not None:
+        current = torch.cuda.current_stream(col.eids.device)
+        current.wait_event(col.ready)
+        for t in (col.csr.indptr, col.csr.indices, col.csr.eids, col.eids):
+            t.record_stream(current)
+        col.ready = None
+    return col
 
 
 class _GraphColumns:
@@ -256,6 +293,7 @@ class _ChunkColumns:
         self.inv = None if self.identity else np.array(source.ordering.inv, dtype=np.int64)
         self.column_edges = np.asarray(source.counts, dtype=np.int64).sum(0)
         self._cols: dict[int, _Column] = {}
+        self._stream = None  # CUDA: the side stream host-to-device copies run on
 
     def prepared(self, *, backward: bool) -> bool:
         """See :meth:`_GraphColumns.prepared`; a store's columns are never kept."""
@@ -308,10 +346,12 @@ class _ChunkColumns:
             del order
         # Column positions follow the original edge order, and CSR.from_coo sorts stably by
         # destination, so rows are in original edge order as in memory.
-        csr = kernels.CSR.from_coo(torch.from_numpy(src), torch.from_numpy(dst),
-                                   (n, b - a)).to(self.device)
+        csr = kernels.CSR.from_coo(torch.from_numpy(src), torch.from_numpy(dst), (n, b - a))
         csr.blocking = False
-        return _Column(j, slice(a, b), csr, torch.from_numpy(eids).to(self.device))
+        if self.device.type == "cuda" and self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        csr, eids, ready = _upload(csr, torch.from_numpy(eids), self.device, self._stream)
+        return _Column(j, slice(a, b), csr, eids, ready=ready)
 
 
 def _prepared(columns, backward: bool) -> bool:
@@ -339,7 +379,7 @@ class _Loader:
 
     def get(self, j: int, then: int | None) -> _Column:
         fut = self._pending.pop(j, None)
-        col = fut.result() if fut is not None else self.columns.column(j, self.transpose)
+        col = _ready(fut.result() if fut is not None else self.columns.column(j, self.transpose))
         if self.prefetch and then is not None and 0 <= then < self.columns.num_intervals \
                 and then not in self._pending:
             if self._pool is None:
