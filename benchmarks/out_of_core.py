@@ -1,11 +1,11 @@
 """Out-of-core training: a 2-layer GCN on a graph whose features and edges on disk exceed RAM.
 
 1. In a child process, generate a graph straight into a chunk store
-   (``partition.ChunkStore.write_from_blocks``), streaming: edges block by block (uniform random multigraph by default; R-MAT with
-   ``--generator rmat``, much slower to draw: ~2M edges/s on a busy 2-core machine), labels ``y``
-   uniform over the classes and
-   features ``x = mu[y] + U(-1, 1)`` [N, F] float32, row block by row block. Nothing graph-sized
-   is ever in memory; the disk must hold the store.
+   (``partition.ChunkStore.write_from_blocks``), streaming: edges block by block (uniform random
+   multigraph by default; R-MAT with ``--generator rmat``, much slower to draw: ~2M edges/s on a
+   busy 2-core machine), labels ``y`` uniform over the classes and features
+   ``x = mu[y] + U(-1, 1)`` [N, F] float32, row block by row block. Nothing graph-sized is ever
+   in memory; the disk must hold the store.
 2. In another fresh child of the small driver process (a child's ``ru_maxrss`` starts at its
    parent's resident set, so the trainer must not be forked from the writer), open the store with
    ``mmap=False`` and train :class:`ngra.ooc.OutOfCoreGCN` (X W1 read from disk in row blocks,

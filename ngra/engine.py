@@ -348,9 +348,12 @@ class _ChunkColumns:
         # destination, so rows are in original edge order as in memory.
         csr = kernels.CSR.from_coo(torch.from_numpy(src), torch.from_numpy(dst), (n, b - a))
         csr.blocking = False
-        if self.device.type == "cuda" and self._stream is None:
+        # Kept columns are loaded once, with no prefetch, and transposed at once by column():
+        # plain synchronous copies. Streamed ones go through the side stream (_Loader.get waits).
+        if self.device.type == "cuda" and not self.cached and self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        csr, eids, ready = _upload(csr, torch.from_numpy(eids), self.device, self._stream)
+        csr, eids, ready = _upload(csr, torch.from_numpy(eids), self.device,
+                                   None if self.cached else self._stream)
         return _Column(j, slice(a, b), csr, eids, ready=ready)
 
 
