@@ -99,9 +99,16 @@ class Graph:
         return torch.bincount(self._src, minlength=self._num_nodes)
 
     def in_csr(self) -> CSR:
-        """Edges grouped by destination (row v = in-edges of v, column = source), cached."""
+        """Edges grouped by destination (row v = in-edges of v, column = source), cached.
+
+        Its indices and edge ids are int32 while vertex and edge counts fit (the row pointers
+        stay int64): half the index memory of the edge lists' int64, and of every copy the
+        kernels derive from it (transpose, source blocks), and half the index traffic per edge.
+        """
         if self._in_csr is None:
-            self._in_csr = CSR.from_coo(self._src, self._dst, self._num_nodes)
+            small = max(self._num_nodes, self._src.numel()) <= torch.iinfo(torch.int32).max
+            self._in_csr = CSR.from_coo(self._src, self._dst, self._num_nodes,
+                                        index_dtype=torch.int32 if small else torch.int64)
         return self._in_csr
 
     def out_csr(self) -> CSR:

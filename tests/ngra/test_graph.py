@@ -317,3 +317,13 @@ def test_to_simple_on_huge_vertex_ids_matches_keyed_path():
     assert small.to_simple(return_eids=True)[1].tolist() == eids.tolist()
     assert edges(g.to_undirected()) == [(3_999_999_999, 1), (0, 2), (5, 3_999_999_998), (1, 3_999_999_999),
                                         (2, 0), (3_999_999_998, 5)]
+
+
+def test_csr_indices_are_int32_when_they_fit():
+    """The graph's CSR keeps indices and edge ids in int32 (row pointers int64): half the memory
+    of int64 edge lists, in the CSR and in every copy the kernels derive from it."""
+    g = random_graph(0)
+    for csr in (g.in_csr(), g.out_csr()):
+        assert csr.indices.dtype == torch.int32 and csr.eids.dtype == torch.int32
+        assert csr.indptr.dtype == torch.int64
+    assert g.src.dtype == torch.int64  # the edge lists the user gave are not changed
