@@ -214,6 +214,23 @@ def make_inputs(case, n, e):
     return x
 
 
+def index_add_fn(op, reduce, src, dst):
+    """The PyTorch-native g-SpMM (copy_u / u_mul_e): index_select the source rows, then
+    index_add_ (sum) or scatter_reduce (amax, amin, mean) them into the destinations."""
+    red = {"sum": "sum", "mean": "mean", "max": "amax", "min": "amin"}[reduce]
+
+    def index_add(x):
+        msg = x["u"].index_select(0, src)
+        if op == "u_mul_e":
+            msg = msg * x["e"]
+        if reduce == "sum":
+            return torch.zeros_like(x["u"]).index_add_(0, dst, msg)
+        idx = dst.unsqueeze(1).expand_as(msg)
+        return torch.zeros_like(x["u"]).scatter_reduce(0, idx, msg, red, include_self=False)
+
+    return index_add
+
+
 def method_fns(g, case):
     """{method name: fn(inputs) -> output, or a string saying why it does not apply}."""
     kernel, op, reduce = case["kernel"], case.get("op"), case.get("reduce")
@@ -233,16 +250,7 @@ def method_fns(g, case):
             else:
                 fns["torch.sparse.mm"] = "no gradient for the sparse values (edge weights)"
 
-            def index_add(x):
-                msg = x["u"].index_select(0, src)
-                if op == "u_mul_e":
-                    msg = msg * x["e"]
-                if reduce == "sum":
-                    return torch.zeros_like(x["u"]).index_add_(0, dst, msg)
-                idx = dst.unsqueeze(1).expand_as(msg)
-                return torch.zeros_like(x["u"]).scatter_reduce(0, idx, msg, red, include_self=False)
-
-            fns["index_add/scatter_reduce"] = index_add
+            fns["index_add/scatter_reduce"] = index_add_fn(op, reduce, src, dst)
             if g.get("pyg") is not None and reduce in ("sum", "max", "mean", "min"):
                 conv = g["pyg"][reduce]
                 fns["PyG propagate"] = lambda x: conv(x["u"], g["edge_index"], x.get("e"))

@@ -97,7 +97,6 @@ def method_fns(g, case):
     if kernel == "gspmm":
         fns[NGRA] = lambda x: kernels.gspmm(csr, op, reduce, u=x.get("u"), e=x.get("e"),
                                             backend="numba_cuda")
-        red = {"sum": "sum", "max": "amax"}[reduce]
         if reduce == "sum" and (op == "copy_u" or case["pass"] == "fwd"):
             def spmm(x):
                 vals = g["ones"] if op == "copy_u" else x["e"].detach()[g["eids"], 0]
@@ -109,16 +108,7 @@ def method_fns(g, case):
         else:  # the edge weights' gradient is one w.r.t. the CSR values
             fns["torch.sparse.mm (cuSPARSE)"] = "not timed: gradient w.r.t. CSR values"
 
-        def index_add(x):
-            msg = x["u"].index_select(0, src)
-            if op == "u_mul_e":
-                msg = msg * x["e"]
-            if reduce == "sum":
-                return torch.zeros_like(x["u"]).index_add_(0, dst, msg)
-            idx = dst.unsqueeze(1).expand_as(msg)
-            return torch.zeros_like(x["u"]).scatter_reduce(0, idx, msg, red, include_self=False)
-
-        fns["index_select+index_add_/scatter_reduce"] = index_add
+        fns["index_select+index_add_/scatter_reduce"] = _cpu.index_add_fn(op, reduce, src, dst)
         if g.get("pyg") is not None:
             conv = g["pyg"][reduce]
             fns["PyG propagate"] = lambda x: conv(x["u"], g["edge_index"], x.get("e"))
