@@ -122,6 +122,149 @@ def _prefetch_row(X, r, n, line):
         _prefetch(X, r, c)
 
 
+@intrinsic
+def _tile_sum(typingctx, X, ids, W, wids, weighted, beg, end, out, v, c0, pf, pend, nbytes):
+    """``out[v, c0:c0+n] += sum over k in beg:end of X[ids[k], c0:c0+n] (* W[wids[k], 0] if
+    weighted)``, n = ``nbytes`` // itemsize (a literal), with prefetch of the tile ``pf`` edges
+    ahead (below ``pend``).
+
+    The tile's partial sums stay in registers as explicit 32/16/8-byte vectors over the whole edge
+    loop, so each edge costs one index load and one vector load + add per 32 bytes. Plain numba
+    loops cannot get there: a runtime-length feature loop per edge pays the vectorizer's alias
+    checks and remainder loops, and constant-length unrolled ones come out scalar. Each lane still
+    adds its edges one by one in CSR order (the weighted product rounded first, then added, as in
+    the reference loop), so results are the same bits as a scalar loop's.
+    """
+    if not isinstance(nbytes, types.IntegerLiteral) or not isinstance(X, types.Array):
+        return None
+    sig = types.void(X, ids, W, wids, weighted, beg, end, out, v, c0, pf, pend, nbytes)
+
+    def codegen(context, builder, sig, args):
+        xty, ity, wty, wity, _, _, _, oty = sig.args[:8]
+        intp = context.get_value_type(types.intp)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fty = context.get_data_type(xty.dtype)
+        isz = context.get_abi_sizeof(fty)
+        xa = context.make_array(xty)(context, builder, args[0])
+        ia = context.make_array(ity)(context, builder, args[1])
+        wa = context.make_array(wty)(context, builder, args[2])
+        wia = context.make_array(wity)(context, builder, args[3])
+        oa = context.make_array(oty)(context, builder, args[7])
+        beg_, end_, v_, c0_, pf_, pend_ = [context.cast(builder, args[i], sig.args[i], types.intp)
+                                           for i in (5, 6, 8, 9, 10, 11)]
+        # (byte offset, lane count) pieces: 32-byte vectors, then 16, 8, then scalars
+        pieces, off, left = [], 0, (nbytes.literal_value // isz) * isz
+        for width in (32, 16, 8, isz):
+            while width >= isz and left >= width:
+                pieces.append((off, width // isz))
+                off, left = off + width, left - width
+        if not pieces:
+            return context.get_dummy_value()
+
+        def ptr(base, byte_off, lanes):
+            p = builder.gep(base, [byte_off])
+            return builder.bitcast(p, (ir.VectorType(fty, lanes) if lanes > 1 else fty).as_pointer())
+
+        def load_id(arr, k):
+            j = builder.load(builder.gep(arr.data, [k]))
+            return builder.sext(j, intp) if j.type.width < intp.width else j
+
+        xs = cgutils.unpack_tuple(builder, xa.strides)[0]
+        xbase = builder.bitcast(xa.data, i8p)
+        cbytes = builder.mul(c0_, intp(isz))
+        orow = builder.gep(builder.bitcast(oa.data, i8p),
+                           [builder.add(builder.mul(v_, cgutils.unpack_tuple(builder, oa.strides)[0]),
+                                        cbytes)])
+        accs = []
+        for o, lanes in pieces:
+            a = cgutils.alloca_once(builder, ir.VectorType(fty, lanes) if lanes > 1 else fty)
+            builder.store(builder.load(ptr(orow, intp(o), lanes), align=isz), a)
+            accs.append(a)
+        pfty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        pfn = cgutils.get_or_insert_function(builder.module, pfty, _PREFETCH_NAME)
+        ws = cgutils.unpack_tuple(builder, wa.strides)[0]
+        wbase = builder.bitcast(wa.data, i8p)
+
+        def edge_loop(with_weight):
+            with cgutils.for_range_slice(builder, beg_, end_, intp(1), intp=intp) as (k, _):
+                kp = builder.add(k, pf_)
+                with builder.if_then(builder.icmp_signed("<", kp, pend_), likely=True):
+                    row = builder.gep(xbase, [builder.add(builder.mul(load_id(ia, kp), xs), cbytes)])
+                    for o in range(0, pieces[-1][0] + pieces[-1][1] * isz, 64):
+                        builder.call(pfn, [builder.gep(row, [intp(o)]), i32(0), i32(3), i32(1)])
+                    if with_weight:
+                        wp = builder.gep(wbase, [builder.mul(load_id(wia, kp), ws)])
+                        builder.call(pfn, [wp, i32(0), i32(3), i32(1)])
+                row = builder.gep(xbase, [builder.add(builder.mul(load_id(ia, k), xs), cbytes)])
+                if with_weight:
+                    wp = builder.gep(wbase, [builder.mul(load_id(wia, k), ws)])
+                    w = builder.load(builder.bitcast(wp, fty.as_pointer()))
+                for (o, lanes), a in zip(pieces, accs):
+                    val = builder.load(ptr(row, intp(o), lanes), align=isz)
+                    if with_weight:
+                        wv = w
+                        if lanes > 1:
+                            wv = builder.shuffle_vector(
+                                builder.insert_element(ir.Constant(ir.VectorType(fty, lanes), None),
+                                                       w, i32(0)),
+                                ir.Constant(ir.VectorType(fty, lanes), None),
+                                ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
+                        val = builder.fmul(val, wv)
+                    builder.store(builder.fadd(builder.load(a), val), a)
+
+        with builder.if_else(args[4]) as (then, otherwise):
+            with then:
+                edge_loop(True)
+            with otherwise:
+                edge_loop(False)
+        for (o, lanes), a in zip(pieces, accs):
+            builder.store(builder.load(a), ptr(orow, intp(o), lanes), align=isz)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _sum_rows(X, ids, W, wids, weighted, beg, end, out, v, pf, pend):
+    """out[v] += the sum of X's rows ids[beg:end] (each times W[wids[k], 0] if weighted), in
+    register tiles of at most 256 bytes (8 AVX2 registers), one pass over the edges per tile; the
+    tile sizes must be literals, hence the unrolled ladder."""
+    isz = out.itemsize
+    left = out.shape[1] * isz
+    c = 0
+    while left >= 256:
+        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 256)
+        c += 256 // isz
+        left -= 256
+    if left >= 128:
+        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 128)
+        c += 128 // isz
+        left -= 128
+    if left >= 64:
+        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 64)
+        c += 64 // isz
+        left -= 64
+    if left >= 32:
+        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 32)
+        c += 32 // isz
+        left -= 32
+    # the last 4-28 bytes: one literal tile each (float64 only reaches the multiples of 8)
+    if left == 4:
+        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 4)
+    elif left == 8:
+        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 8)
+    elif left == 12:
+        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 12)
+    elif left == 16:
+        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 16)
+    elif left == 20:
+        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 20)
+    elif left == 24:
+        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 24)
+    elif left == 28:
+        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 28)
+
+
 @njit(inline="always")
 def _spmm_sum_part(r0, r1, base, first, mean, indptr, bptr, indices, eids, U, W, out, op, mode,
                    inner, loff, roff, pf, lo, lu, lw, uline):
@@ -138,30 +281,12 @@ def _spmm_sum_part(r0, r1, base, first, mean, indptr, bptr, indices, eids, U, W,
             for f in range(lo):
                 orow[f] = 0
         if mode == M_COPY_U:
-            for k in range(beg, end):
-                if k + pf < pend:
-                    _prefetch_row(U, indices[k + pf], lu, uline)
-                urow = U[indices[k]]
-                for f in range(lo):
-                    orow[f] += urow[f]
+            _sum_rows(U, indices, W, eids, False, beg, end, out, v, pf, pend)
         elif mode == M_COPY_E:
-            for k in range(beg, end):
-                if k + pf < pend:
-                    _prefetch_row(W, eids[k + pf], lw, uline)
-                erow = W[eids[k]]
-                for f in range(lo):
-                    orow[f] += erow[f]
+            _sum_rows(W, eids, W, eids, False, beg, end, out, v, pf, pend)
         elif mode == M_BLOCK_E and op == MUL and inner == lo:
-            # one weight per edge (GCN-style u_mul_e), the common case: a plain loop over
-            # the row; the blocked loop below (offset indexing) vectorizes worse
-            for k in range(beg, end):
-                if k + pf < pend:
-                    _prefetch_row(U, indices[k + pf], lu, uline)
-                    _prefetch_row(W, eids[k + pf], lw, uline)
-                urow = U[indices[k]]
-                w = W[eids[k], 0]
-                for f in range(lo):
-                    orow[f] += urow[f] * w
+            # one weight per edge (GCN-style u_mul_e), the common case
+            _sum_rows(U, indices, W, eids, True, beg, end, out, v, pf, pend)
         elif mode == M_BLOCK_E:
             nb = lo // inner
             for k in range(beg, end):
