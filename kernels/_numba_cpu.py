@@ -11,14 +11,17 @@ reducer and broadcast layout are runtime arguments rather than compile-time spec
 keeps the number of compiled signatures (and so the first-call compile time) small. Branches on
 them sit outside the per-feature loops, so the hot loops stay simple enough to vectorize.
 Source rows are gathered at random, so the gather loops prefetch the row a few edges ahead.
-When the gathered rows outgrow the last-level cache, the sum/mean g-SpMM, the g-SDDMM and the
-max/min gradient w.r.t. u run in blocks of source rows (a blocked copy of the CSR, cached on it):
-one pass per block over all destination rows, so the block's rows, and their page-table entries,
-stay cached; the block count comes from a cost model (_num_blocks).
+The sum/mean g-SpMM's common layouts (copy_u, copy_e, u_mul_e with one weight per edge) gather
+through an LLVM intrinsic (_tile_sum) that holds a row tile's partial sums in vector registers
+across the row's edges. When the gathered rows outgrow the last-level cache, the sum/mean g-SpMM,
+the g-SDDMM and the max/min gradient w.r.t. u run in blocks of source rows (a blocked copy of the
+CSR, cached on it): one pass per block over all destination rows, so the block's rows, and their
+page-table entries, stay cached; the block count comes from a cost model (_num_blocks).
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import math
 import os
@@ -868,25 +871,34 @@ def _llc_bytes():
     return 32 << 20
 
 
-# Source blocking (sum/mean g-SpMM). A block's source rows should stay cached, and, which
-# mattered as much in the measurements, be few enough 4 KiB pages for the TLB and the page
-# tables to stay cached too: the gather then costs about the same per byte up to a block of ~1/5
-# of the L3 and grows about 1.2x per doubling past it (fit to the uniform 200K/3M graph, F = 16 to
-# 256, and R-MAT scale 21, F = 64). Each block pass after the first reads and writes the output
-# once more, sequentially, at ~1.5x a cached gather byte. _num_blocks minimizes the sum.
-_BLOCK_BYTES = _llc_bytes() // 5
-_GATHER_GROWTH = 1.2
-_STREAM_COST = 1.5
+# Source blocking. A block's source rows should stay cached, and, which mattered as much in the
+# measurements, be few enough 4 KiB pages for the TLB and the page tables to stay cached too: the
+# gather costs about the same per byte up to a block of `block_bytes` and grows `growth` x per
+# doubling past it. Each block pass after the first reads and writes the output once more,
+# sequentially, at `stream` x a cached gather byte. _num_blocks minimizes the sum. Each kernel
+# has its own fit, from block-count sweeps (1-32 blocks) on the uniform 200K/3M graph at F = 16-256
+# and R-MAT scale 21 (2M/33.5M) at F = 16/64/256:
+# - the register-tile gather of the sum/mean g-SpMM (also used for the max/min gradient w.r.t. u,
+#   where it also picked well): the gather is cheap, so passes weigh more. The pick is within 8%
+#   of the best count in every sweep case (best: 2 blocks at F = 16-32 on the uniform graph, 4
+#   from F = 64; 1-4 alike at F = 16 on R-MAT; 4 at F = 64/256);
+# - the g-SDDMM's u operand (one dot product per edge, no register tile): 8 blocks at F = 64/256
+#   beat 4 by 10%.
+_BlockModel = collections.namedtuple("_BlockModel", "block_bytes growth stream")
+_GATHER_MODEL = _BlockModel(_llc_bytes() // 4, 1.0, 3.0)
+_SDDMM_MODEL = _BlockModel(_llc_bytes() // 5, 1.2, 1.5)
 _MAX_BLOCKS = 256
 _FORCE_BLOCKS = None  # tests set a block count here to exercise the blocked path on small graphs
 
 
-def _num_blocks(num_src, num_dst, num_edges, src_row_bytes, out_row_bytes):
-    """How many source blocks a sum/mean g-SpMM runs in (1: unblocked), by the cost model above."""
+def _num_blocks(num_src, num_dst, num_edges, src_row_bytes, out_row_bytes, model=None):
+    """How many source blocks a kernel runs in (1: unblocked), by the cost model above
+    (``model``: _GATHER_MODEL when None)."""
     if _FORCE_BLOCKS is not None:
         return max(1, min(int(_FORCE_BLOCKS), num_src))
+    model = model or _GATHER_MODEL
     src_bytes = num_src * src_row_bytes
-    if src_bytes <= _BLOCK_BYTES or num_edges == 0:
+    if src_bytes <= model.block_bytes or num_edges == 0:
         return 1
     gather = num_edges * src_row_bytes
     # Every block pass visits every row, and the block pointers take num_dst int64 per block:
@@ -894,8 +906,8 @@ def _num_blocks(num_src, num_dst, num_edges, src_row_bytes, out_row_bytes):
     most = min(_MAX_BLOCKS, num_src, max(1, num_edges // max(1, num_dst)))
     best, best_cost, k = 1, math.inf, 1
     while k <= most:
-        per_byte = 1 + _GATHER_GROWTH * math.log2(max(1.0, src_bytes / k / _BLOCK_BYTES))
-        cost = gather * per_byte + _STREAM_COST * (2 * k - 1) * num_dst * out_row_bytes
+        per_byte = 1 + model.growth * math.log2(max(1.0, src_bytes / k / model.block_bytes))
+        cost = gather * per_byte + model.stream * (2 * k - 1) * num_dst * out_row_bytes
         if cost < best_cost:
             best, best_cost = k, cost
         k *= 2
@@ -1151,7 +1163,7 @@ def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
         # destination operand once more (read only: half a g-SpMM output's read + write).
         v_bytes = R.shape[1] * R.itemsize // 2 if rhs_target == "v" else 0
         nblk = _num_blocks(csr.num_src, csr.num_dst, csr.num_edges, L.shape[1] * L.itemsize,
-                           v_bytes)
+                           v_bytes, _SDDMM_MODEL)
     bptr, bind, beids = _blocked(csr, nblk)
     _launch(_sddmm, parts, bptr, nblk, bind, beids, L, _TARGET[lhs_target], R, _TARGET[rhs_target],
             out.numpy(), _CODE[binop], mode, loff, roff, red,

@@ -129,13 +129,16 @@ def test_blocked_is_bitwise_deterministic(force_blocks):
 
 def test_cost_model(monkeypatch):
     """Pinned to a 32 MiB L3 so the expectations do not depend on the test machine."""
-    monkeypatch.setattr(_numba_cpu, "_BLOCK_BYTES", (32 << 20) // 5)
+    monkeypatch.setattr(_numba_cpu, "_GATHER_MODEL",
+                        _numba_cpu._GATHER_MODEL._replace(block_bytes=(32 << 20) // 4))
+    monkeypatch.setattr(_numba_cpu, "_SDDMM_MODEL",
+                        _numba_cpu._SDDMM_MODEL._replace(block_bytes=(32 << 20) // 5))
     nb = _numba_cpu._num_blocks
     # sources fit the block budget: no blocking
     assert nb(1000, 1000, 10**6, 256, 256) == 1
     assert nb(100_000, 100_000, 0, 4096, 4096) == 1
     # the uniform 200K-vertex / 3M-edge benchmark graph (15 in-edges per row): blocked; more
-    # blocks for wider rows, as measured (F = 16: 2, F = 64 and 256: 8 were fastest)
+    # blocks for wider rows, as measured (F = 16: 2, F = 64 and 256: 4 were fastest)
     k16 = nb(200_000, 200_000, 3_000_000, 64, 64)
     k64 = nb(200_000, 200_000, 3_000_000, 256, 256)
     assert 2 <= k16 <= k64 <= 16
@@ -143,6 +146,8 @@ def test_cost_model(monkeypatch):
     assert nb(2_000_000, 2_000_000, 2_000_000, 256, 256) == 1
     # a wide output read once per block pays less with a narrow source (u_mul_e on heads)
     assert nb(200_000, 200_000, 3_000_000, 256, 4096) <= k64
+    # the g-SDDMM's own fit: more blocks than the register-tile gather at F = 64 (8 vs 4 fastest)
+    assert nb(200_000, 200_000, 3_000_000, 256, 128, _numba_cpu._SDDMM_MODEL) > k64
     monkeypatch.setattr(_numba_cpu, "_FORCE_BLOCKS", 3)
     assert nb(1000, 1000, 10**6, 256, 256) == 3
     assert nb(2, 2, 4, 4, 4) == 2  # never more blocks than sources
