@@ -227,6 +227,62 @@ def _tile_sum(typingctx, X, ids, W, wids, weighted, beg, end, out, v, c0, pf, pe
     return sig, codegen
 
 
+@intrinsic
+def _dot(typingctx, A, i, B, j, n):
+    """``sum(A[i, :n] * B[j, :n])`` with 32-byte vector products summed lane-wise in row order,
+    the lanes then added pairwise and the last n % lanes products added one by one: a fixed order,
+    so bitwise reproducible. (A runtime-length numba loop leaves rows shorter than LLVM's
+    4-register-wide vector body, F = 16 in float32, to its scalar remainder loop.)"""
+    if not (isinstance(A, types.Array) and isinstance(B, types.Array) and A.dtype == B.dtype):
+        return None
+    sig = A.dtype(A, i, B, j, n)
+
+    def codegen(context, builder, sig, args):
+        aty, _, bty = sig.args[:3]
+        intp = context.get_value_type(types.intp)
+        i32 = ir.IntType(32)
+        fty = context.get_data_type(aty.dtype)
+        isz = context.get_abi_sizeof(fty)
+        lanes = 32 // isz
+        vty = ir.VectorType(fty, lanes)
+        i_, j_, n_ = [context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 3, 4)]
+
+        def row(ty, val, r):
+            ary = context.make_array(ty)(context, builder, val)
+            stride = cgutils.unpack_tuple(builder, ary.strides)[0]
+            return builder.gep(builder.bitcast(ary.data, ir.IntType(8).as_pointer()),
+                               [builder.mul(r, stride)])
+
+        pa, pb = row(aty, args[0], i_), row(bty, args[2], j_)
+        nvec = builder.sdiv(n_, intp(lanes))
+        acc = cgutils.alloca_once(builder, vty)
+        builder.store(ir.Constant(vty, None), acc)
+        with cgutils.for_range(builder, nvec, intp=intp) as loop:
+            off = builder.mul(loop.index, intp(32))
+            va = builder.load(builder.bitcast(builder.gep(pa, [off]), vty.as_pointer()), align=isz)
+            vb = builder.load(builder.bitcast(builder.gep(pb, [off]), vty.as_pointer()), align=isz)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(va, vb)), acc)
+        v = builder.load(acc)
+        width = lanes
+        while width > 1:  # pairwise: lanes [0, w/2) + [w/2, w)
+            half = width // 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half), list(range(half))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half),
+                                                          list(range(half, width))))
+            v, width = builder.fadd(lo, hi), half
+        total = cgutils.alloca_once(builder, fty)
+        builder.store(builder.extract_element(v, i32(0)), total)
+        start = builder.mul(nvec, intp(lanes))
+        with cgutils.for_range_slice(builder, start, n_, intp(1), intp=intp) as (k, _):
+            off = builder.mul(k, intp(isz))
+            a = builder.load(builder.bitcast(builder.gep(pa, [off]), fty.as_pointer()))
+            b = builder.load(builder.bitcast(builder.gep(pb, [off]), fty.as_pointer()))
+            builder.store(builder.fadd(builder.load(total), builder.fmul(a, b)), total)
+        return builder.load(total)
+
+    return sig, codegen
+
+
 @njit(inline="always")
 def _sum_rows(X, ids, W, wids, weighted, beg, end, out, v, pf, pend):
     """out[v] += the sum of X's rows ids[beg:end] (each times W[wids[k], 0] if weighted), in
@@ -690,10 +746,7 @@ def _sddmm(parts, bptr, nblk, indices, eids, L, lt, R, rt, out, op, mode, loff, 
                     rrow = R[_row(rt, s, v, eid)]
                     orow = out[eid]
                     if mode == S_DOT_ROW:
-                        acc = lrow[0] * rrow[0]
-                        for d in range(1, red):
-                            acc += lrow[d] * rrow[d]
-                        orow[0] = acc
+                        out[eid, 0] = _dot(L, _row(lt, s, v, eid), R, _row(rt, s, v, eid), red)
                     elif mode == S_DOT:
                         for j in range(lo):
                             a = loff[j]
