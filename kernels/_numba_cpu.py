@@ -126,10 +126,11 @@ def _prefetch_row(X, r, n, line):
 
 
 @intrinsic
-def _tile_sum(typingctx, X, ids, W, wids, weighted, beg, end, out, v, c0, pf, pend, nbytes):
-    """``out[v, c0:c0+n] += sum over k in beg:end of X[ids[k], c0:c0+n] (* W[wids[k], 0] if
-    weighted)``, n = ``nbytes`` // itemsize (a literal), with prefetch of the tile ``pf`` edges
-    ahead (below ``pend``).
+def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, c0, pf, pend, nbytes):
+    """``out[v, c0 + f] += sum over k in beg:end of X[ids[k], c0 + f]`` for f < n = ``nbytes`` //
+    itemsize (a literal), each term times ``W[wids[k], (c0 + f) // inner]`` if ``inner`` > 0 (one
+    weight per edge, or per head of ``inner`` features; every 32-byte piece of the tile must lie
+    in one head), with prefetch of the tile ``pf`` edges ahead (below ``pend``).
 
     The tile's partial sums stay in registers as explicit 32/16/8-byte vectors over the whole edge
     loop, so each edge costs one index load and one vector load + add per 32 bytes. Plain numba
@@ -140,7 +141,7 @@ def _tile_sum(typingctx, X, ids, W, wids, weighted, beg, end, out, v, c0, pf, pe
     """
     if not isinstance(nbytes, types.IntegerLiteral) or not isinstance(X, types.Array):
         return None
-    sig = types.void(X, ids, W, wids, weighted, beg, end, out, v, c0, pf, pend, nbytes)
+    sig = types.void(X, ids, W, wids, inner, beg, end, out, v, c0, pf, pend, nbytes)
 
     def codegen(context, builder, sig, args):
         xty, ity, wty, wity, _, _, _, oty = sig.args[:8]
@@ -153,8 +154,8 @@ def _tile_sum(typingctx, X, ids, W, wids, weighted, beg, end, out, v, c0, pf, pe
         wa = context.make_array(wty)(context, builder, args[2])
         wia = context.make_array(wity)(context, builder, args[3])
         oa = context.make_array(oty)(context, builder, args[7])
-        beg_, end_, v_, c0_, pf_, pend_ = [context.cast(builder, args[i], sig.args[i], types.intp)
-                                           for i in (5, 6, 8, 9, 10, 11)]
+        inner_, beg_, end_, v_, c0_, pf_, pend_ = [
+            context.cast(builder, args[i], sig.args[i], types.intp) for i in (4, 5, 6, 8, 9, 10, 11)]
         # (byte offset, lane count) pieces: 32-byte vectors, then 16, 8, then scalars
         pieces, off, left = [], 0, (nbytes.literal_value // isz) * isz
         for width in (32, 16, 8, isz):
@@ -187,6 +188,11 @@ def _tile_sum(typingctx, X, ids, W, wids, weighted, beg, end, out, v, c0, pf, pe
         pfn = cgutils.get_or_insert_function(builder.module, pfty, _PREFETCH_NAME)
         ws = cgutils.unpack_tuple(builder, wa.strides)[0]
         wbase = builder.bitcast(wa.data, i8p)
+        weighted = builder.icmp_signed(">", inner_, intp(0))
+        # each piece's weight column (byte offset in W's row), fixed over the edge loop
+        safe_inner = builder.select(weighted, inner_, intp(1))
+        wcols = [builder.mul(builder.sdiv(builder.add(c0_, intp(o // isz)), safe_inner),
+                             intp(isz)) for o, _ in pieces]
 
         def edge_loop(with_weight):
             with cgutils.for_range_slice(builder, beg_, end_, intp(1), intp=intp) as (k, _):
@@ -200,11 +206,11 @@ def _tile_sum(typingctx, X, ids, W, wids, weighted, beg, end, out, v, c0, pf, pe
                         builder.call(pfn, [wp, i32(0), i32(3), i32(1)])
                 row = builder.gep(xbase, [builder.add(builder.mul(load_id(ia, k), xs), cbytes)])
                 if with_weight:
-                    wp = builder.gep(wbase, [builder.mul(load_id(wia, k), ws)])
-                    w = builder.load(builder.bitcast(wp, fty.as_pointer()))
-                for (o, lanes), a in zip(pieces, accs):
+                    wrow = builder.gep(wbase, [builder.mul(load_id(wia, k), ws)])
+                for (o, lanes), a, wcol in zip(pieces, accs, wcols):
                     val = builder.load(ptr(row, intp(o), lanes), align=isz)
                     if with_weight:
+                        w = builder.load(builder.bitcast(builder.gep(wrow, [wcol]), fty.as_pointer()))
                         wv = w
                         if lanes > 1:
                             wv = builder.shuffle_vector(
@@ -215,7 +221,7 @@ def _tile_sum(typingctx, X, ids, W, wids, weighted, beg, end, out, v, c0, pf, pe
                         val = builder.fmul(val, wv)
                     builder.store(builder.fadd(builder.load(a), val), a)
 
-        with builder.if_else(args[4]) as (then, otherwise):
+        with builder.if_else(weighted) as (then, otherwise):
             with then:
                 edge_loop(True)
             with otherwise:
@@ -284,44 +290,45 @@ def _dot(typingctx, A, i, B, j, n):
 
 
 @njit(inline="always")
-def _sum_rows(X, ids, W, wids, weighted, beg, end, out, v, pf, pend):
-    """out[v] += the sum of X's rows ids[beg:end] (each times W[wids[k], 0] if weighted), in
+def _sum_rows(X, ids, W, wids, inner, beg, end, out, v, pf, pend):
+    """out[v] += the sum of X's rows ids[beg:end] (times per-head weights if inner > 0, see
+    :func:`_tile_sum`), in
     register tiles of at most 256 bytes (8 AVX2 registers), one pass over the edges per tile; the
     tile sizes must be literals, hence the unrolled ladder."""
     isz = out.itemsize
     left = out.shape[1] * isz
     c = 0
     while left >= 256:
-        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 256)
+        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 256)
         c += 256 // isz
         left -= 256
     if left >= 128:
-        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 128)
+        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 128)
         c += 128 // isz
         left -= 128
     if left >= 64:
-        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 64)
+        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 64)
         c += 64 // isz
         left -= 64
     if left >= 32:
-        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 32)
+        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 32)
         c += 32 // isz
         left -= 32
     # the last 4-28 bytes: one literal tile each (float64 only reaches the multiples of 8)
     if left == 4:
-        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 4)
+        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 4)
     elif left == 8:
-        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 8)
+        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 8)
     elif left == 12:
-        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 12)
+        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 12)
     elif left == 16:
-        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 16)
+        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 16)
     elif left == 20:
-        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 20)
+        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 20)
     elif left == 24:
-        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 24)
+        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 24)
     elif left == 28:
-        _tile_sum(X, ids, W, wids, weighted, beg, end, out, v, c, pf, pend, 28)
+        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 28)
 
 
 @njit(inline="always")
@@ -332,6 +339,7 @@ def _spmm_sum_part(r0, r1, base, first, mean, indptr, bptr, indices, eids, U, W,
     # Source rows are random reads: prefetch the row pf edges ahead, across row
     # boundaries (most rows are short), so several misses are in flight at once.
     pend = bptr[base + r1]
+    vlanes = 32 // out.itemsize
     for v in range(r0, r1):
         beg = bptr[base + v]
         end = bptr[base + v + 1]
@@ -340,12 +348,13 @@ def _spmm_sum_part(r0, r1, base, first, mean, indptr, bptr, indices, eids, U, W,
             for f in range(lo):
                 orow[f] = 0
         if mode == M_COPY_U:
-            _sum_rows(U, indices, W, eids, False, beg, end, out, v, pf, pend)
+            _sum_rows(U, indices, W, eids, 0, beg, end, out, v, pf, pend)
         elif mode == M_COPY_E:
-            _sum_rows(W, eids, W, eids, False, beg, end, out, v, pf, pend)
-        elif mode == M_BLOCK_E and op == MUL and inner == lo:
-            # one weight per edge (GCN-style u_mul_e), the common case
-            _sum_rows(U, indices, W, eids, True, beg, end, out, v, pf, pend)
+            _sum_rows(W, eids, W, eids, 0, beg, end, out, v, pf, pend)
+        elif mode == M_BLOCK_E and op == MUL and (inner == lo or inner % vlanes == 0):
+            # one weight per edge (GCN-style u_mul_e) or per head of whole vectors (GAT's
+            # aggregation, u [N, H, F] * e [E, H, 1] with F a multiple of 8 in float32)
+            _sum_rows(U, indices, W, eids, inner, beg, end, out, v, pf, pend)
         elif mode == M_BLOCK_E:
             nb = lo // inner
             for k in range(beg, end):

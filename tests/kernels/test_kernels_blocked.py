@@ -2,7 +2,7 @@
 nblk > 1): results and gradients against the dense reference, the blocked layout itself, bitwise
 determinism, and the cost model's choice of block count.
 
-The cost model only blocks graphs whose source features outgrow a fifth of the L3, far too big
+The cost model only blocks graphs whose source features outgrow a quarter of the L3, far too big
 for a test, so most tests force the block count through ``_numba_cpu._FORCE_BLOCKS``.
 """
 
