@@ -292,9 +292,11 @@ def _dot(typingctx, A, i, B, j, n):
 @njit(inline="always")
 def _sum_rows(X, ids, W, wids, inner, beg, end, out, v, pf, pend):
     """out[v] += the sum of X's rows ids[beg:end] (times per-head weights if inner > 0, see
-    :func:`_tile_sum`), in
-    register tiles of at most 256 bytes (8 AVX2 registers), one pass over the edges per tile; the
-    tile sizes must be literals, hence the unrolled ladder."""
+    :func:`_tile_sum`), in register tiles of at most 256 bytes (8 AVX2 registers), one pass over
+    the edges per tile; the tile sizes must be literals, hence the unrolled ladder. A (row, block)
+    with no edges is skipped: it would only load and store the output row."""
+    if end <= beg:
+        return
     isz = out.itemsize
     left = out.shape[1] * isz
     c = 0
