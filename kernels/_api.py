@@ -9,6 +9,7 @@ read the winners / probabilities the backend's forward recorded. Double backward
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -146,8 +147,14 @@ class _GSpMM(torch.autograd.Function):
             if reduce == "mean":
                 deg = csr.in_degrees().clamp(min=1).to(g.dtype)
                 g = g / deg.view((-1,) + (1,) * (g.dim() - 1))
-            gu = _spmm_sum_grad_u(csr, mod, binop, g, e) if need_u else None
-            ge = _spmm_sum_grad_e(csr, mod, binop, g, u, e) if need_e else None
+            if (need_u and need_e and binop == "mul" and hasattr(mod, "spmm_mul_grads")
+                    and math.prod(ctx.fe) == 1 and tuple(u.shape[1:]) == tuple(g.shape[1:])):
+                # one weight per edge (GCN-style edge weights being learned): both gradients
+                # from one pass over the transposed CSR (numba backend)
+                gu, ge = mod.spmm_mul_grads(csr, g, u, e)
+            else:
+                gu = _spmm_sum_grad_u(csr, mod, binop, g, e) if need_u else None
+                ge = _spmm_sum_grad_e(csr, mod, binop, g, u, e) if need_e else None
         gu = reduce_to(gu, ctx.fu) if gu is not None else None
         ge = reduce_to(ge, ctx.fe) if ge is not None else None
         if ge is not None and binop == "div" and reduce not in ("max", "min"):

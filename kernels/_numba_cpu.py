@@ -417,6 +417,188 @@ def _spmm_sum(parts, indptr, bptr, nblk, indices, eids, U, W, out, op, mode, inn
                            lu, lw, uline)
 
 
+@intrinsic
+def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, first, beg, end, GU, c0, pf, pend,
+                   nbytes):
+    """Both gradients of a u_mul_e/sum g-SpMM with one weight per edge, for one row ``s`` of the
+    transposed CSR and one column tile ``c0 : c0 + n`` (n = ``nbytes`` // itemsize, a literal):
+    ``GU[s, tile] += sum over k in beg:end of G[ids[k], tile] * W[wids[k], 0]`` (register tile, as
+    in :func:`_tile_sum`) and, from the same G row, ``GE[wids[k], 0] (= if first else +=) sum over
+    the tile of G[ids[k], tile] * U[s, tile]``. Fusing them reads each G row once for both (a
+    separate g-SDDMM for GE gathered every U row again at random). The dot's order is fixed (32-byte
+    products summed lane-wise, lanes pairwise, then the narrower pieces): bitwise reproducible."""
+    if not isinstance(nbytes, types.IntegerLiteral) or not isinstance(G, types.Array):
+        return None
+    sig = types.void(G, ids, W, wids, U, s, GE, first, beg, end, GU, c0, pf, pend, nbytes)
+
+    def codegen(context, builder, sig, args):
+        gty, ity, wty, wity, uty, _, gety = sig.args[:7]
+        guty = sig.args[10]
+        intp = context.get_value_type(types.intp)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fty = context.get_data_type(gty.dtype)
+        isz = context.get_abi_sizeof(fty)
+        arrays = [context.make_array(t)(context, builder, args[k])
+                  for k, t in ((0, gty), (1, ity), (2, wty), (3, wity), (4, uty), (6, gety),
+                               (10, guty))]
+        ga, ia, wa, wia, ua, gea, gua = arrays
+        s_, beg_, end_, c0_, pf_, pend_ = [context.cast(builder, args[k], sig.args[k], types.intp)
+                                           for k in (5, 8, 9, 11, 12, 13)]
+        pieces, off, left = [], 0, (nbytes.literal_value // isz) * isz
+        for width in (32, 16, 8, isz):
+            while width >= isz and left >= width:
+                pieces.append((off, width // isz))
+                off, left = off + width, left - width
+        if not pieces:
+            return context.get_dummy_value()
+
+        def vty(lanes):
+            return ir.VectorType(fty, lanes) if lanes > 1 else fty
+
+        def ptr(base, byte_off, lanes):
+            return builder.bitcast(builder.gep(base, [intp(byte_off)]), vty(lanes).as_pointer())
+
+        def stride0(a):
+            return cgutils.unpack_tuple(builder, a.strides)[0]
+
+        def base(a):
+            return builder.bitcast(a.data, i8p)
+
+        def load_id(arr, k):
+            j = builder.load(builder.gep(arr.data, [k]))
+            return builder.sext(j, intp) if j.type.width < intp.width else j
+
+        def hsum(v, lanes):
+            while lanes > 1:
+                half = lanes // 2
+                lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half),
+                                                              list(range(half))))
+                hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half),
+                                                              list(range(half, lanes))))
+                v, lanes = builder.fadd(lo, hi), half
+            return builder.extract_element(v, i32(0)) if isinstance(v.type, ir.VectorType) else v
+
+        def splat(x, lanes):
+            if lanes == 1:
+                return x
+            t = ir.VectorType(fty, lanes)
+            return builder.shuffle_vector(builder.insert_element(ir.Constant(t, None), x, i32(0)),
+                                          ir.Constant(t, None),
+                                          ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
+
+        cbytes = builder.mul(c0_, intp(isz))
+        gurow = builder.gep(base(gua), [builder.add(builder.mul(s_, stride0(gua)), cbytes)])
+        urow = builder.gep(base(ua), [builder.add(builder.mul(s_, stride0(ua)), cbytes)])
+        accs = []
+        for o, lanes in pieces:
+            a = cgutils.alloca_once(builder, vty(lanes))
+            builder.store(builder.load(ptr(gurow, o, lanes), align=isz), a)
+            accs.append(a)
+        pfn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH_NAME)
+        gs, ws, ges = stride0(ga), stride0(wa), stride0(gea)
+        span = pieces[-1][0] + pieces[-1][1] * isz
+        with cgutils.for_range_slice(builder, beg_, end_, intp(1), intp=intp) as (k, _):
+            kp = builder.add(k, pf_)
+            with builder.if_then(builder.icmp_signed("<", kp, pend_), likely=True):
+                row = builder.gep(base(ga), [builder.add(builder.mul(load_id(ia, kp), gs), cbytes)])
+                for o in range(0, span, 64):
+                    builder.call(pfn, [builder.gep(row, [intp(o)]), i32(0), i32(3), i32(1)])
+                wid = load_id(wia, kp)
+                builder.call(pfn, [builder.gep(base(wa), [builder.mul(wid, ws)]), i32(0), i32(3),
+                                   i32(1)])
+                builder.call(pfn, [builder.gep(base(gea), [builder.mul(wid, ges)]), i32(1),
+                                   i32(3), i32(1)])
+            row = builder.gep(base(ga), [builder.add(builder.mul(load_id(ia, k), gs), cbytes)])
+            wid = load_id(wia, k)
+            w = builder.load(builder.bitcast(builder.gep(base(wa), [builder.mul(wid, ws)]),
+                                             fty.as_pointer()))
+            vsum, dot = None, None
+            for (o, lanes), a in zip(pieces, accs):
+                val = builder.load(ptr(row, o, lanes), align=isz)
+                builder.store(builder.fadd(builder.load(a), builder.fmul(val, splat(w, lanes))), a)
+                prod = builder.fmul(val, builder.load(ptr(urow, o, lanes), align=isz))
+                if lanes * isz == 32:
+                    vsum = prod if vsum is None else builder.fadd(vsum, prod)
+                    continue
+                if vsum is not None:
+                    dot, vsum = hsum(vsum, 32 // isz), None
+                part = hsum(prod, lanes)
+                dot = part if dot is None else builder.fadd(dot, part)
+            if vsum is not None:
+                dot = hsum(vsum, 32 // isz)
+            gep = builder.bitcast(builder.gep(base(gea), [builder.mul(wid, ges)]),
+                                  fty.as_pointer())
+            old = builder.select(args[7], ir.Constant(fty, 0.0), builder.load(gep))
+            builder.store(builder.fadd(old, dot), gep)
+        for (o, lanes), a in zip(pieces, accs):
+            builder.store(builder.load(a), ptr(gurow, o, lanes), align=isz)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _mul_grad_rows(G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend):
+    """Both u_mul_e/sum gradients for transposed row s (see :func:`_tile_mul_grad`), tile by tile
+    as in :func:`_sum_rows`."""
+    if end <= beg:
+        return
+    isz = GU.itemsize
+    left = GU.shape[1] * isz
+    c = 0
+    while left >= 256:
+        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 256)
+        c += 256 // isz
+        left -= 256
+    if left >= 128:
+        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 128)
+        c += 128 // isz
+        left -= 128
+    if left >= 64:
+        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 64)
+        c += 64 // isz
+        left -= 64
+    if left >= 32:
+        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 32)
+        c += 32 // isz
+        left -= 32
+    if left == 4:
+        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 4)
+    elif left == 8:
+        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 8)
+    elif left == 12:
+        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 12)
+    elif left == 16:
+        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 16)
+    elif left == 20:
+        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 20)
+    elif left == 24:
+        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 24)
+    elif left == 28:
+        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 28)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _spmm_mul_grads(tparts, tbptr, nblk, tindices, teids, G, W, U, GU, GE, pf):
+    """Gradients w.r.t. u and the per-edge weight of ``out = u_mul_e/sum(u, e)``, parallel over
+    the rows of the transposed CSR (sources) in ``nblk`` blocks of destinations (layout as in
+    :func:`_spmm_sum`). Each GU row is summed by one thread in a fixed order and each GE entry is
+    written by the one pass holding its edge: deterministic without atomics."""
+    ns = GU.shape[0]
+    lo = GU.shape[1]
+    for blk in range(nblk):
+        base = blk * ns
+        for p in prange(tparts.size - 1):
+            pend = tbptr[base + tparts[p + 1]]
+            for s in range(tparts[p], tparts[p + 1]):
+                if blk == 0:
+                    for f in range(lo):
+                        GU[s, f] = 0
+                _mul_grad_rows(G, tindices, W, teids, U, s, GE, tbptr[base + s],
+                               tbptr[base + s + 1], GU, pf, pend)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _block_csr(parts, indptr, indices, eids, bsize, bptr, bind, beids):
     """Split the CSR's in-edges by source block (sources ``b * bsize : (b + 1) * bsize``) into
@@ -1133,6 +1315,28 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
                 need_arg, pf)
         arg = won if need_arg else None
     return out.reshape((csr.num_dst,) + fo), arg
+
+
+def spmm_mul_grads(csr, g, u, e):
+    """Gradients w.r.t. u and e of ``gspmm(csr, "mul", "sum", u, e)`` with one weight per edge
+    (e's features have one element), both from one pass over the transposed CSR
+    (:func:`_spmm_mul_grads`). ``g`` is the output gradient (already divided by the in-degree for
+    the mean). Returns ``(grad_u, grad_e)`` in u's and e's shapes."""
+    _check_dtype(g, u, e)
+    t = csr.transpose()
+    parts = _arrays(t)[0]
+    lo = math.prod(u.shape[1:])
+    G, U, W = _flat(g, csr.num_dst), _flat(u, csr.num_src), _flat(e, csr.num_edges)
+    row_bytes = lo * G.itemsize
+    nblk = 1
+    if t.blocking:
+        nblk = _num_blocks(t.num_src, t.num_dst, t.num_edges, row_bytes, row_bytes)
+    bptr, bind, beids = _blocked(t, nblk)
+    gu = _empty((csr.num_src, lo), g.dtype)
+    ge = _empty((csr.num_edges, 1), g.dtype)
+    _launch(_spmm_mul_grads, parts, bptr, nblk, bind, beids, G, W, U, gu.numpy(), ge.numpy(),
+            _prefetch_distance(row_bytes))
+    return gu.reshape(u.shape), ge.reshape(e.shape)
 
 
 def _fwd_positions(t, csr, nblk=1):

@@ -3,7 +3,8 @@
 The sum/mean g-SpMM gathers copy_u, copy_e and u_mul_e (one weight per edge, or per head of whole
 32-byte vectors) through ``_tile_sum``, whose tile ladder (256/128/64/32 bytes, then a literal tail
 of 4-28 bytes) has a separate code path for every row width modulo 64 elements; the g-SDDMM dot
-products go through ``_dot`` (32-byte chunks, then a scalar tail). These tests sweep the widths
+products go through ``_dot`` (32-byte chunks, then a scalar tail), and both gradients of
+u_mul_e/sum with one weight per edge through ``_tile_mul_grad``. These tests sweep the widths
 that reach every rung, in both float dtypes, against the dense reference, unblocked and with
 source blocks forced, on a graph with a hub row (longer than any prefetch distance) and empty rows.
 """
@@ -93,3 +94,58 @@ def test_tile_sum_is_bitwise_the_sequential_sum():
             acc = acc + u[indices[k]] * w[eids[k]]
         want[v] = acc
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("nblk", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_mul_grads_widths(monkeypatch, nblk, dtype):
+    """u_mul_e/sum|mean with one weight per edge: both gradients come from the fused pass over
+    the transposed CSR (_spmm_mul_grads); they match the torch backend's gradients."""
+    monkeypatch.setattr(_numba_cpu, "_FORCE_BLOCKS", nblk)
+    calls = []
+    fused = _numba_cpu.spmm_mul_grads
+    monkeypatch.setattr(_numba_cpu, "spmm_mul_grads", lambda *a: calls.append(1) or fused(*a))
+    csr = _graph(torch.int32)
+    shapes = [((f,), (1,)) for f in WIDTHS] + [((16,), ()), ((2, 8), (1, 1)), ((), ())]
+    for i, (fu, fe) in enumerate(shapes):
+        for reduce in ("sum", "mean"):
+            u = rand((csr.num_src,) + fu, dtype, i).requires_grad_(True)
+            e = rand((csr.num_edges,) + fe, dtype, i + 1).requires_grad_(True)
+            out = kernels.gspmm(csr, "u_mul_e", reduce, u=u, e=e, backend="numba")
+            g = rand(out.shape, dtype, i + 2)
+            got = torch.autograd.grad(out, (u, e), g)
+            u2, e2 = u.detach().requires_grad_(True), e.detach().requires_grad_(True)
+            ref = kernels.gspmm(csr, "u_mul_e", reduce, u=u2, e=e2, backend="torch")
+            want = torch.autograd.grad(ref, (u2, e2), g)
+            for a, b in zip(got, want):
+                assert a.shape == b.shape
+                assert torch.allclose(a, b, **_tol(dtype)), (fu, fe, reduce)
+    assert len(calls) == 2 * len(shapes)
+
+
+def test_fused_mul_grads_gradcheck():
+    csr = _graph(torch.int64)
+    u = rand((csr.num_src, 5), torch.float64, 0).requires_grad_(True)
+    e = rand((csr.num_edges, 1), torch.float64, 1).requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda a, b: kernels.gspmm(csr, "u_mul_e", "sum", u=a, e=b, backend="numba"), (u, e))
+
+
+def test_fused_mul_grads_deterministic():
+    csr = _graph(torch.int32)
+    u = rand((csr.num_src, 24), torch.float32, 0).requires_grad_(True)
+    e = rand((csr.num_edges, 1), torch.float32, 1).requires_grad_(True)
+
+    def grads():
+        out = kernels.gspmm(csr, "u_mul_e", "sum", u=u, e=e, backend="numba")
+        return torch.autograd.grad(out, (u, e), torch.ones_like(out))
+
+    first = grads()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = grads()
+    finally:
+        torch.set_num_threads(before)
+    for a, b, c in zip(first, grads(), one):
+        assert torch.equal(a, b) and torch.equal(a, c)
