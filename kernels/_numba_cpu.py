@@ -125,6 +125,51 @@ def _prefetch_row(X, r, n, line):
         _prefetch(X, r, c)
 
 
+# LLVM IR helpers of the register-tile intrinsics below
+
+def _ir_pieces(nbytes, isz):
+    """``nbytes`` of a row (whole items) as (byte offset, lane count) pieces: 32-byte vectors, then
+    16, 8 and single items."""
+    pieces, off, left = [], 0, (nbytes // isz) * isz
+    for width in (32, 16, 8, isz):
+        while width >= isz and left >= width:
+            pieces.append((off, width // isz))
+            off, left = off + width, left - width
+    return pieces
+
+
+def _ir_vec(fty, lanes):
+    return ir.VectorType(fty, lanes) if lanes > 1 else fty
+
+
+def _ir_splat(builder, x, lanes):
+    """``x`` in every lane of a ``lanes``-wide vector (x itself for one lane)."""
+    if lanes == 1:
+        return x
+    i32, vty = ir.IntType(32), ir.VectorType(x.type, lanes)
+    return builder.shuffle_vector(builder.insert_element(ir.Constant(vty, None), x, i32(0)),
+                                  ir.Constant(vty, None),
+                                  ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
+
+
+def _ir_hsum(builder, v, lanes):
+    """Sum of a vector's lanes, pairwise: lanes [0, w/2) + [w/2, w) until one is left."""
+    i32 = ir.IntType(32)
+    while lanes > 1:
+        half = lanes // 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half), list(range(half))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half),
+                                                      list(range(half, lanes))))
+        v, lanes = builder.fadd(lo, hi), half
+    return builder.extract_element(v, i32(0)) if isinstance(v.type, ir.VectorType) else v
+
+
+def _ir_load_id(builder, arr, k, intp):
+    """``arr[k]`` of an int32/int64 index array, as intp."""
+    j = builder.load(builder.gep(arr.data, [k]))
+    return builder.sext(j, intp) if j.type.width < intp.width else j
+
+
 @intrinsic
 def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, c0, pf, pend, nbytes):
     """``out[v, c0 + f] += sum over k in beg:end of X[ids[k], c0 + f]`` for f < n = ``nbytes`` //
@@ -155,33 +200,27 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, c0, pf, pend,
         wia = context.make_array(wity)(context, builder, args[3])
         oa = context.make_array(oty)(context, builder, args[7])
         inner_, beg_, end_, v_, c0_, pf_, pend_ = [
-            context.cast(builder, args[i], sig.args[i], types.intp) for i in (4, 5, 6, 8, 9, 10, 11)]
-        # (byte offset, lane count) pieces: 32-byte vectors, then 16, 8, then scalars
-        pieces, off, left = [], 0, (nbytes.literal_value // isz) * isz
-        for width in (32, 16, 8, isz):
-            while width >= isz and left >= width:
-                pieces.append((off, width // isz))
-                off, left = off + width, left - width
+            context.cast(builder, args[i], sig.args[i], types.intp)
+            for i in (4, 5, 6, 8, 9, 10, 11)]
+        pieces = _ir_pieces(nbytes.literal_value, isz)
         if not pieces:
             return context.get_dummy_value()
 
         def ptr(base, byte_off, lanes):
-            p = builder.gep(base, [byte_off])
-            return builder.bitcast(p, (ir.VectorType(fty, lanes) if lanes > 1 else fty).as_pointer())
+            return builder.bitcast(builder.gep(base, [byte_off]), _ir_vec(fty, lanes).as_pointer())
 
         def load_id(arr, k):
-            j = builder.load(builder.gep(arr.data, [k]))
-            return builder.sext(j, intp) if j.type.width < intp.width else j
+            return _ir_load_id(builder, arr, k, intp)
 
         xs = cgutils.unpack_tuple(builder, xa.strides)[0]
         xbase = builder.bitcast(xa.data, i8p)
         cbytes = builder.mul(c0_, intp(isz))
+        os_ = cgutils.unpack_tuple(builder, oa.strides)[0]
         orow = builder.gep(builder.bitcast(oa.data, i8p),
-                           [builder.add(builder.mul(v_, cgutils.unpack_tuple(builder, oa.strides)[0]),
-                                        cbytes)])
+                           [builder.add(builder.mul(v_, os_), cbytes)])
         accs = []
         for o, lanes in pieces:
-            a = cgutils.alloca_once(builder, ir.VectorType(fty, lanes) if lanes > 1 else fty)
+            a = cgutils.alloca_once(builder, _ir_vec(fty, lanes))
             builder.store(builder.load(ptr(orow, intp(o), lanes), align=isz), a)
             accs.append(a)
         pfty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
@@ -198,7 +237,8 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, c0, pf, pend,
             with cgutils.for_range_slice(builder, beg_, end_, intp(1), intp=intp) as (k, _):
                 kp = builder.add(k, pf_)
                 with builder.if_then(builder.icmp_signed("<", kp, pend_), likely=True):
-                    row = builder.gep(xbase, [builder.add(builder.mul(load_id(ia, kp), xs), cbytes)])
+                    row = builder.gep(xbase,
+                                      [builder.add(builder.mul(load_id(ia, kp), xs), cbytes)])
                     for o in range(0, pieces[-1][0] + pieces[-1][1] * isz, 64):
                         builder.call(pfn, [builder.gep(row, [intp(o)]), i32(0), i32(3), i32(1)])
                     if with_weight:
@@ -210,15 +250,9 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, c0, pf, pend,
                 for (o, lanes), a, wcol in zip(pieces, accs, wcols):
                     val = builder.load(ptr(row, intp(o), lanes), align=isz)
                     if with_weight:
-                        w = builder.load(builder.bitcast(builder.gep(wrow, [wcol]), fty.as_pointer()))
-                        wv = w
-                        if lanes > 1:
-                            wv = builder.shuffle_vector(
-                                builder.insert_element(ir.Constant(ir.VectorType(fty, lanes), None),
-                                                       w, i32(0)),
-                                ir.Constant(ir.VectorType(fty, lanes), None),
-                                ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
-                        val = builder.fmul(val, wv)
+                        w = builder.load(builder.bitcast(builder.gep(wrow, [wcol]),
+                                                         fty.as_pointer()))
+                        val = builder.fmul(val, _ir_splat(builder, w, lanes))
                     builder.store(builder.fadd(builder.load(a), val), a)
 
         with builder.if_else(weighted) as (then, otherwise):
@@ -246,7 +280,6 @@ def _dot(typingctx, A, i, B, j, n):
     def codegen(context, builder, sig, args):
         aty, _, bty = sig.args[:3]
         intp = context.get_value_type(types.intp)
-        i32 = ir.IntType(32)
         fty = context.get_data_type(aty.dtype)
         isz = context.get_abi_sizeof(fty)
         lanes = 32 // isz
@@ -268,16 +301,8 @@ def _dot(typingctx, A, i, B, j, n):
             va = builder.load(builder.bitcast(builder.gep(pa, [off]), vty.as_pointer()), align=isz)
             vb = builder.load(builder.bitcast(builder.gep(pb, [off]), vty.as_pointer()), align=isz)
             builder.store(builder.fadd(builder.load(acc), builder.fmul(va, vb)), acc)
-        v = builder.load(acc)
-        width = lanes
-        while width > 1:  # pairwise: lanes [0, w/2) + [w/2, w)
-            half = width // 2
-            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half), list(range(half))))
-            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half),
-                                                          list(range(half, width))))
-            v, width = builder.fadd(lo, hi), half
         total = cgutils.alloca_once(builder, fty)
-        builder.store(builder.extract_element(v, i32(0)), total)
+        builder.store(_ir_hsum(builder, builder.load(acc), lanes), total)
         start = builder.mul(nvec, intp(lanes))
         with cgutils.for_range_slice(builder, start, n_, intp(1), intp=intp) as (k, _):
             off = builder.mul(k, intp(isz))
@@ -444,19 +469,13 @@ def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, first, beg, end, GU, c0
         ga, ia, wa, wia, ua, gea, gua = arrays
         s_, beg_, end_, c0_, pf_, pend_ = [context.cast(builder, args[k], sig.args[k], types.intp)
                                            for k in (5, 8, 9, 11, 12, 13)]
-        pieces, off, left = [], 0, (nbytes.literal_value // isz) * isz
-        for width in (32, 16, 8, isz):
-            while width >= isz and left >= width:
-                pieces.append((off, width // isz))
-                off, left = off + width, left - width
+        pieces = _ir_pieces(nbytes.literal_value, isz)
         if not pieces:
             return context.get_dummy_value()
 
-        def vty(lanes):
-            return ir.VectorType(fty, lanes) if lanes > 1 else fty
-
         def ptr(base, byte_off, lanes):
-            return builder.bitcast(builder.gep(base, [intp(byte_off)]), vty(lanes).as_pointer())
+            return builder.bitcast(builder.gep(base, [intp(byte_off)]),
+                                   _ir_vec(fty, lanes).as_pointer())
 
         def stride0(a):
             return cgutils.unpack_tuple(builder, a.strides)[0]
@@ -465,33 +484,14 @@ def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, first, beg, end, GU, c0
             return builder.bitcast(a.data, i8p)
 
         def load_id(arr, k):
-            j = builder.load(builder.gep(arr.data, [k]))
-            return builder.sext(j, intp) if j.type.width < intp.width else j
-
-        def hsum(v, lanes):
-            while lanes > 1:
-                half = lanes // 2
-                lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half),
-                                                              list(range(half))))
-                hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half),
-                                                              list(range(half, lanes))))
-                v, lanes = builder.fadd(lo, hi), half
-            return builder.extract_element(v, i32(0)) if isinstance(v.type, ir.VectorType) else v
-
-        def splat(x, lanes):
-            if lanes == 1:
-                return x
-            t = ir.VectorType(fty, lanes)
-            return builder.shuffle_vector(builder.insert_element(ir.Constant(t, None), x, i32(0)),
-                                          ir.Constant(t, None),
-                                          ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
+            return _ir_load_id(builder, arr, k, intp)
 
         cbytes = builder.mul(c0_, intp(isz))
         gurow = builder.gep(base(gua), [builder.add(builder.mul(s_, stride0(gua)), cbytes)])
         urow = builder.gep(base(ua), [builder.add(builder.mul(s_, stride0(ua)), cbytes)])
         accs = []
         for o, lanes in pieces:
-            a = cgutils.alloca_once(builder, vty(lanes))
+            a = cgutils.alloca_once(builder, _ir_vec(fty, lanes))
             builder.store(builder.load(ptr(gurow, o, lanes), align=isz), a)
             accs.append(a)
         pfn = cgutils.get_or_insert_function(
@@ -516,21 +516,21 @@ def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, first, beg, end, GU, c0
             vsum, dot = None, None
             for (o, lanes), a in zip(pieces, accs):
                 val = builder.load(ptr(row, o, lanes), align=isz)
-                builder.store(builder.fadd(builder.load(a), builder.fmul(val, splat(w, lanes))), a)
+                wval = builder.fmul(val, _ir_splat(builder, w, lanes))
+                builder.store(builder.fadd(builder.load(a), wval), a)
                 prod = builder.fmul(val, builder.load(ptr(urow, o, lanes), align=isz))
                 if lanes * isz == 32:
                     vsum = prod if vsum is None else builder.fadd(vsum, prod)
                     continue
                 if vsum is not None:
-                    dot, vsum = hsum(vsum, 32 // isz), None
-                part = hsum(prod, lanes)
+                    dot, vsum = _ir_hsum(builder, vsum, 32 // isz), None
+                part = _ir_hsum(builder, prod, lanes)
                 dot = part if dot is None else builder.fadd(dot, part)
             if vsum is not None:
-                dot = hsum(vsum, 32 // isz)
+                dot = _ir_hsum(builder, vsum, 32 // isz)
             gep = builder.bitcast(builder.gep(base(gea), [builder.mul(wid, ges)]),
                                   fty.as_pointer())
-            old = builder.select(args[7], ir.Constant(fty, 0.0), builder.load(gep))
-            builder.store(builder.fadd(old, dot), gep)
+            builder.store(builder.select(args[7], dot, builder.fadd(builder.load(gep), dot)), gep)
         for (o, lanes), a in zip(pieces, accs):
             builder.store(builder.load(a), ptr(gurow, o, lanes), align=isz)
         return context.get_dummy_value()
