@@ -11,9 +11,10 @@ reducer and broadcast layout are runtime arguments rather than compile-time spec
 keeps the number of compiled signatures (and so the first-call compile time) small. Branches on
 them sit outside the per-feature loops, so the hot loops stay simple enough to vectorize.
 Source rows are gathered at random, so the gather loops prefetch the row a few edges ahead.
-The sum/mean g-SpMM's common layouts (copy_u, copy_e, u_mul_e with one weight per edge) gather
-through an LLVM intrinsic (_tile_sum) that holds a row tile's partial sums in vector registers
-across the row's edges. When the gathered rows outgrow the last-level cache, the sum/mean g-SpMM,
+The g-SpMM's common layouts (copy_u, copy_e, u_mul_e with one weight per edge or per head) gather
+through LLVM intrinsics (_tile_sum, _tile_maxmin) that hold a row tile's partial sums, or running
+extremes and winning positions, in vector registers across the row's edges; the max/min gradient
+w.r.t. u reuses _tile_sum with the recorded winner bits as lane masks. When the gathered rows outgrow the last-level cache, the sum/mean g-SpMM,
 the g-SDDMM and the max/min gradient w.r.t. u run in blocks of source rows (a blocked copy of the
 CSR, cached on it): one pass per block over all destination rows, so the block's rows, and their
 page-table entries, stay cached; the block count comes from a cost model (_num_blocks).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import itertools
 import math
 import os
 import threading
@@ -170,23 +172,75 @@ def _ir_load_id(builder, arr, k, intp):
     return builder.sext(j, intp) if j.type.width < intp.width else j
 
 
-@intrinsic
-def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, c0, pf, pend, nbytes):
-    """``out[v, c0 + f] += sum over k in beg:end of X[ids[k], c0 + f]`` for f < n = ``nbytes`` //
-    itemsize (a literal), each term times ``W[wids[k], (c0 + f) // inner]`` if ``inner`` > 0 (one
-    weight per edge, or per head of ``inner`` features; every 32-byte piece of the tile must lie
-    in one head), with prefetch of the tile ``pf`` edges ahead (below ``pend``).
+def _ir_tiles(builder, intp, isz, n, emit, largest=256):
+    """Cover a row of ``n`` items (an intp value) with register tiles, calling ``emit(c0,
+    nbytes)`` for each, ``c0`` the tile's first item (an intp value) and ``nbytes`` its size (a
+    Python int): ``largest``-byte tiles (256: 8 AVX2 registers), then one each of the smaller
+    powers of two down to 32 bytes while that much is left, then the last 4-28 bytes as one tile.
+    Every tile size gets its own edge loop with constant offsets, and the choice among them is
+    made once per row."""
+    nbytes = builder.mul(n, intp(isz))
+    nbig = builder.sdiv(nbytes, intp(largest))
+    with cgutils.for_range(builder, nbig, intp=intp) as loop:
+        emit(builder.mul(loop.index, intp(largest // isz)), largest)
+    c = cgutils.alloca_once_value(builder, builder.mul(nbig, intp(largest // isz)))
+    left = cgutils.alloca_once_value(builder, builder.sub(nbytes, builder.mul(nbig, intp(largest))))
+    for size in (128, 64, 32):
+        if size >= largest:
+            continue
+        with builder.if_then(builder.icmp_signed(">=", builder.load(left), intp(size))):
+            emit(builder.load(c), size)
+            builder.store(builder.add(builder.load(c), intp(size // isz)), c)
+            builder.store(builder.sub(builder.load(left), intp(size)), left)
+    done = builder.append_basic_block("tile_tail_done")
+    switch = builder.switch(builder.load(left), done)
+    for size in range(isz, 32, isz):
+        block = builder.append_basic_block(f"tile_tail_{size}")
+        switch.add_case(intp(size), block)
+        builder.position_at_end(block)
+        emit(builder.load(c), size)
+        builder.branch(done)
+    builder.position_at_end(done)
 
-    The tile's partial sums stay in registers as explicit 32/16/8-byte vectors over the whole edge
-    loop, so each edge costs one index load and one vector load + add per 32 bytes. Plain numba
-    loops cannot get there: a runtime-length feature loop per edge pays the vectorizer's alias
-    checks and remainder loops, and constant-length unrolled ones come out scalar. Each lane still
-    adds its edges one by one in CSR order (the weighted product rounded first, then added, as in
-    the reference loop), so results are the same bits as a scalar loop's.
+
+def _ir_lane_bits(builder, f0, lanes):
+    """The bit of each lane's feature in its 32-bit mask word: ``1 << ((f0 + i) & 31)`` for lane i
+    (a tile piece never crosses a word: it starts at a multiple of its lane count)."""
+    i32 = ir.IntType(32)
+    shift = builder.and_(builder.trunc(f0, i32), i32(31))
+    if lanes == 1:
+        return builder.shl(i32(1), shift)
+    vty = ir.VectorType(i32, lanes)
+    return builder.shl(ir.Constant(vty, [1] * lanes),
+                       builder.add(_ir_splat(builder, shift, lanes),
+                                   ir.Constant(vty, list(range(lanes)))))
+
+
+@intrinsic
+def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, M, mids):
+    """``out[v, f] += sum over k in beg:end of X[ids[k], f]`` for every f < ``out.shape[1]``:
+
+    - each term times ``W[wids[k], f // inner]`` if ``inner`` > 0 (one weight per edge, or per
+      head of ``inner`` features; every 32-byte piece of a tile must lie in one head);
+    - if ``M`` is not None, only the terms whose bit ``f & 31`` of ``M[mids[k], f >> 5]`` is set
+      (the max/min backward: the output elements the edge won);
+    - with the rows of X (and W, M) prefetched ``pf`` edges ahead, below ``pend``.
+
+    The row is cut into register tiles (:func:`_ir_tiles`); a tile's partial sums stay in
+    registers as explicit 32/16/8-byte vectors over the whole edge loop, so each edge costs one
+    index load and one vector load + add per 32 bytes. Plain numba loops cannot get there: a
+    runtime-length feature loop per edge pays the vectorizer's alias checks and remainder loops,
+    and constant-length unrolled ones come out scalar. Each lane still adds its edges one by one
+    in CSR order (the weighted product rounded first, then added, as in the reference loop), so
+    results are the same bits as a scalar loop's; a masked-out term adds +0.0, which changes
+    nothing but the sign of a -0.0 sum.
     """
-    if not isinstance(nbytes, types.IntegerLiteral) or not isinstance(X, types.Array):
+    if not (isinstance(X, types.Array) and isinstance(out, types.Array)
+            and (M is types.none or isinstance(M, types.Array) and M.ndim == 2
+                 and M.dtype in (types.uint32, types.int32))):
         return None
-    sig = types.void(X, ids, W, wids, inner, beg, end, out, v, c0, pf, pend, nbytes)
+    sig = types.void(X, ids, W, wids, inner, beg, end, out, v, pf, pend, M, mids)
+    masked = M is not types.none
 
     def codegen(context, builder, sig, args):
         xty, ity, wty, wity, _, _, _, oty = sig.args[:8]
@@ -199,12 +253,13 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, c0, pf, pend,
         wa = context.make_array(wty)(context, builder, args[2])
         wia = context.make_array(wity)(context, builder, args[3])
         oa = context.make_array(oty)(context, builder, args[7])
-        inner_, beg_, end_, v_, c0_, pf_, pend_ = [
-            context.cast(builder, args[i], sig.args[i], types.intp)
-            for i in (4, 5, 6, 8, 9, 10, 11)]
-        pieces = _ir_pieces(nbytes.literal_value, isz)
-        if not pieces:
-            return context.get_dummy_value()
+        inner_, beg_, end_, v_, pf_, pend_ = [
+            context.cast(builder, args[i], sig.args[i], types.intp) for i in (4, 5, 6, 8, 9, 10)]
+        if masked:
+            ma = context.make_array(sig.args[11])(context, builder, args[11])
+            mia = context.make_array(sig.args[12])(context, builder, args[12])
+            ms = cgutils.unpack_tuple(builder, ma.strides)[0]
+            mbase = builder.bitcast(ma.data, i8p)
 
         def ptr(base, byte_off, lanes):
             return builder.bitcast(builder.gep(base, [byte_off]), _ir_vec(fty, lanes).as_pointer())
@@ -214,54 +269,207 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, c0, pf, pend,
 
         xs = cgutils.unpack_tuple(builder, xa.strides)[0]
         xbase = builder.bitcast(xa.data, i8p)
-        cbytes = builder.mul(c0_, intp(isz))
         os_ = cgutils.unpack_tuple(builder, oa.strides)[0]
-        orow = builder.gep(builder.bitcast(oa.data, i8p),
-                           [builder.add(builder.mul(v_, os_), cbytes)])
-        accs = []
-        for o, lanes in pieces:
-            a = cgutils.alloca_once(builder, _ir_vec(fty, lanes))
-            builder.store(builder.load(ptr(orow, intp(o), lanes), align=isz), a)
-            accs.append(a)
-        pfty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        pfn = cgutils.get_or_insert_function(builder.module, pfty, _PREFETCH_NAME)
+        obase = builder.gep(builder.bitcast(oa.data, i8p), [builder.mul(v_, os_)])
+        pfn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH_NAME)
         ws = cgutils.unpack_tuple(builder, wa.strides)[0]
         wbase = builder.bitcast(wa.data, i8p)
         weighted = builder.icmp_signed(">", inner_, intp(0))
-        # each piece's weight column (byte offset in W's row), fixed over the edge loop
         safe_inner = builder.select(weighted, inner_, intp(1))
-        wcols = [builder.mul(builder.sdiv(builder.add(c0_, intp(o // isz)), safe_inner),
-                             intp(isz)) for o, _ in pieces]
 
-        def edge_loop(with_weight):
-            with cgutils.for_range_slice(builder, beg_, end_, intp(1), intp=intp) as (k, _):
-                kp = builder.add(k, pf_)
-                with builder.if_then(builder.icmp_signed("<", kp, pend_), likely=True):
-                    row = builder.gep(xbase,
-                                      [builder.add(builder.mul(load_id(ia, kp), xs), cbytes)])
-                    for o in range(0, pieces[-1][0] + pieces[-1][1] * isz, 64):
-                        builder.call(pfn, [builder.gep(row, [intp(o)]), i32(0), i32(3), i32(1)])
-                    if with_weight:
-                        wp = builder.gep(wbase, [builder.mul(load_id(wia, kp), ws)])
-                        builder.call(pfn, [wp, i32(0), i32(3), i32(1)])
-                row = builder.gep(xbase, [builder.add(builder.mul(load_id(ia, k), xs), cbytes)])
-                if with_weight:
-                    wrow = builder.gep(wbase, [builder.mul(load_id(wia, k), ws)])
-                for (o, lanes), a, wcol in zip(pieces, accs, wcols):
-                    val = builder.load(ptr(row, intp(o), lanes), align=isz)
-                    if with_weight:
-                        w = builder.load(builder.bitcast(builder.gep(wrow, [wcol]),
-                                                         fty.as_pointer()))
-                        val = builder.fmul(val, _ir_splat(builder, w, lanes))
-                    builder.store(builder.fadd(builder.load(a), val), a)
+        def tile(c0, nbytes):
+            pieces = _ir_pieces(nbytes, isz)
+            cbytes = builder.mul(c0, intp(isz))
+            orow = builder.gep(obase, [cbytes])
+            accs = []
+            for o, lanes in pieces:
+                a = cgutils.alloca_once(builder, _ir_vec(fty, lanes))
+                builder.store(builder.load(ptr(orow, intp(o), lanes), align=isz), a)
+                accs.append(a)
+            # per piece, fixed over the edge loop: its weight column (byte offset in W's row) and,
+            # masked, its mask word's byte offset and lane bits
+            firsts = [builder.add(c0, intp(o // isz)) for o, _ in pieces]
+            wcols = [builder.mul(builder.sdiv(f0, safe_inner), intp(isz)) for f0 in firsts]
+            if masked:
+                mcols = [builder.mul(builder.ashr(f0, intp(5)), intp(4)) for f0 in firsts]
+                mbits = [_ir_lane_bits(builder, f0, lanes)
+                         for f0, (_, lanes) in zip(firsts, pieces)]
 
-        with builder.if_else(weighted) as (then, otherwise):
-            with then:
-                edge_loop(True)
-            with otherwise:
-                edge_loop(False)
-        for (o, lanes), a in zip(pieces, accs):
-            builder.store(builder.load(a), ptr(orow, intp(o), lanes), align=isz)
+            def edge_loop(with_weight):
+                with cgutils.for_range_slice(builder, beg_, end_, intp(1), intp=intp) as (k, _):
+                    kp = builder.add(k, pf_)
+                    with builder.if_then(builder.icmp_signed("<", kp, pend_), likely=True):
+                        row = builder.gep(xbase,
+                                          [builder.add(builder.mul(load_id(ia, kp), xs), cbytes)])
+                        for o in range(0, nbytes, 64):
+                            builder.call(pfn, [builder.gep(row, [intp(o)]), i32(0), i32(3),
+                                               i32(1)])
+                        if with_weight:
+                            wp = builder.gep(wbase, [builder.mul(load_id(wia, kp), ws)])
+                            builder.call(pfn, [wp, i32(0), i32(3), i32(1)])
+                        if masked:
+                            mp = builder.gep(mbase, [builder.add(builder.mul(load_id(mia, kp), ms),
+                                                                 mcols[0])])
+                            builder.call(pfn, [mp, i32(0), i32(3), i32(1)])
+                    row = builder.gep(xbase, [builder.add(builder.mul(load_id(ia, k), xs), cbytes)])
+                    if with_weight:
+                        wrow = builder.gep(wbase, [builder.mul(load_id(wia, k), ws)])
+                    if masked:
+                        mrow = builder.gep(mbase, [builder.mul(load_id(mia, k), ms)])
+                    for j, ((o, lanes), a) in enumerate(zip(pieces, accs)):
+                        val = builder.load(ptr(row, intp(o), lanes), align=isz)
+                        if with_weight:
+                            w = builder.load(builder.bitcast(builder.gep(wrow, [wcols[j]]),
+                                                             fty.as_pointer()))
+                            val = builder.fmul(val, _ir_splat(builder, w, lanes))
+                        if masked:
+                            word = builder.load(builder.bitcast(builder.gep(mrow, [mcols[j]]),
+                                                                i32.as_pointer()))
+                            hit = builder.and_(_ir_splat(builder, word, lanes), mbits[j])
+                            val = builder.select(
+                                builder.icmp_unsigned("!=", hit, ir.Constant(hit.type, None)),
+                                val, ir.Constant(val.type, None))
+                        builder.store(builder.fadd(builder.load(a), val), a)
+
+            with builder.if_else(weighted) as (then, otherwise):
+                with then:
+                    edge_loop(True)
+                with otherwise:
+                    edge_loop(False)
+            for (o, lanes), a in zip(pieces, accs):
+                builder.store(builder.load(a), ptr(orow, intp(o), lanes), align=isz)
+
+        # a (row, block) without edges would only load and store the output row
+        with builder.if_then(builder.icmp_signed("<", beg_, end_)):
+            n = cgutils.unpack_tuple(builder, oa.shape)[1]
+            _ir_tiles(builder, intp, isz, n, tile)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, B, is_max,
+                 with_arg):
+    """``out[v, f] = max`` (``is_max``, else min) ``over k in beg:end of X[ids[k], f]`` (each term
+    times ``W[wids[k], f // inner]`` if ``inner`` > 0, as in :func:`_tile_sum`) for every f <
+    ``out.shape[1]``, and with ``with_arg`` the winning edge's row position ``k - beg`` in
+    ``B[f]``. The row must have edges.
+
+    Same rule as :func:`_take`, so the same bits: an edge wins an element when it beats the
+    running value strictly or is the first NaN, starting from -inf/+inf at position 0; the
+    running value is llvm.maximum/minimum (NaN-propagating). The running values and positions
+    stay in registers over the row's edges, in tiles of at most 128 bytes (values and positions
+    of a 128-byte float32 tile already take 8 of the 16 AVX2 registers). Positions are tracked
+    even without ``with_arg``: a register select per vector costs no measurable time here, and
+    one edge loop per (weighted, max/min) variant halves the compile time.
+    """
+    if not (isinstance(X, types.Array) and isinstance(out, types.Array)
+            and isinstance(B, types.Array) and isinstance(B.dtype, types.Integer)):
+        return None
+    sig = types.void(X, ids, W, wids, inner, beg, end, out, v, pf, pend, B, is_max, with_arg)
+
+    def codegen(context, builder, sig, args):
+        xty, ity, wty, wity, _, _, _, oty = sig.args[:8]
+        bty = sig.args[11]
+        intp = context.get_value_type(types.intp)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fty = context.get_data_type(xty.dtype)
+        pty = context.get_data_type(bty.dtype)
+        isz, psz = context.get_abi_sizeof(fty), context.get_abi_sizeof(pty)
+        xa, ia, wa, wia, oa = [context.make_array(sig.args[i])(context, builder, args[i])
+                               for i in (0, 1, 2, 3, 7)]
+        ba = context.make_array(bty)(context, builder, args[11])
+        inner_, beg_, end_, v_, pf_, pend_ = [
+            context.cast(builder, args[i], sig.args[i], types.intp) for i in (4, 5, 6, 8, 9, 10)]
+        is_max_ = context.cast(builder, args[12], sig.args[12], types.boolean)
+        with_arg_ = context.cast(builder, args[13], sig.args[13], types.boolean)
+
+        def vptr(base, byte_off, ty, lanes):
+            return builder.bitcast(builder.gep(base, [byte_off]), _ir_vec(ty, lanes).as_pointer())
+
+        def load_id(arr, k):
+            return _ir_load_id(builder, arr, k, intp)
+
+        def stride0(a):
+            return cgutils.unpack_tuple(builder, a.strides)[0]
+
+        xs, ws = stride0(xa), stride0(wa)
+        xbase = builder.bitcast(xa.data, i8p)
+        wbase = builder.bitcast(wa.data, i8p)
+        obase = builder.gep(builder.bitcast(oa.data, i8p), [builder.mul(v_, stride0(oa))])
+        bbase = builder.bitcast(ba.data, i8p)
+        pfn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH_NAME)
+        weighted = builder.icmp_signed(">", inner_, intp(0))
+        safe_inner = builder.select(weighted, inner_, intp(1))
+        suffix = "f32" if isz == 4 else "f64"
+
+        def fold(name, lanes):
+            vty = _ir_vec(fty, lanes)
+            vname = f"v{lanes}{suffix}" if lanes > 1 else suffix
+            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty, vty]),
+                                                  f"llvm.{name}.{vname}")
+
+        def tile(c0, nbytes):
+            pieces = _ir_pieces(nbytes, isz)
+            cbytes = builder.mul(c0, intp(isz))
+            firsts = [builder.add(c0, intp(o // isz)) for o, _ in pieces]
+            wcols = [builder.mul(builder.sdiv(f0, safe_inner), intp(isz)) for f0 in firsts]
+            vals = [cgutils.alloca_once(builder, _ir_vec(fty, lanes)) for _, lanes in pieces]
+            poss = [cgutils.alloca_once(builder, _ir_vec(pty, lanes)) for _, lanes in pieces]
+
+            def edge_loop(with_weight, maxing):
+                start = ir.Constant(fty, float("-inf") if maxing else float("inf"))
+                for (_, lanes), a, b in zip(pieces, vals, poss):
+                    builder.store(_ir_splat(builder, start, lanes), a)
+                    builder.store(ir.Constant(_ir_vec(pty, lanes), None), b)
+                with cgutils.for_range_slice(builder, beg_, end_, intp(1), intp=intp) as (k, _):
+                    kp = builder.add(k, pf_)
+                    with builder.if_then(builder.icmp_signed("<", kp, pend_), likely=True):
+                        row = builder.gep(xbase,
+                                          [builder.add(builder.mul(load_id(ia, kp), xs), cbytes)])
+                        for o in range(0, nbytes, 64):
+                            builder.call(pfn, [builder.gep(row, [intp(o)]), i32(0), i32(3),
+                                               i32(1)])
+                        if with_weight:
+                            wp = builder.gep(wbase, [builder.mul(load_id(wia, kp), ws)])
+                            builder.call(pfn, [wp, i32(0), i32(3), i32(1)])
+                    row = builder.gep(xbase, [builder.add(builder.mul(load_id(ia, k), xs), cbytes)])
+                    if with_weight:
+                        wrow = builder.gep(wbase, [builder.mul(load_id(wia, k), ws)])
+                    j = builder.trunc(builder.sub(k, beg_), pty) if psz < 8 else builder.sub(k, beg_)
+                    for (o, lanes), a, b, wcol in zip(pieces, vals, poss, wcols):
+                        x = builder.load(vptr(row, intp(o), fty, lanes), align=isz)
+                        if with_weight:
+                            w = builder.load(builder.bitcast(builder.gep(wrow, [wcol]),
+                                                             fty.as_pointer()))
+                            x = builder.fmul(x, _ir_splat(builder, w, lanes))
+                        cur = builder.load(a)
+                        beats = builder.fcmp_unordered(">" if maxing else "<", x, cur)
+                        won = builder.and_(beats, builder.fcmp_ordered("==", cur, cur))
+                        builder.store(builder.select(won, _ir_splat(builder, j, lanes),
+                                                     builder.load(b)), b)
+                        builder.store(builder.call(fold("maximum" if maxing else "minimum",
+                                                        lanes), [cur, x]), a)
+
+            for with_weight, maxing in itertools.product((True, False), repeat=2):
+                cond = builder.and_(
+                    builder.icmp_unsigned("==", weighted, ir.Constant(weighted.type, with_weight)),
+                    builder.icmp_unsigned("==", is_max_, ir.Constant(is_max_.type, maxing)))
+                with builder.if_then(cond):
+                    edge_loop(with_weight, maxing)
+            orow = builder.gep(obase, [cbytes])
+            brow = builder.gep(bbase, [builder.mul(c0, intp(psz))])
+            for (o, lanes), a, b in zip(pieces, vals, poss):
+                builder.store(builder.load(a), vptr(orow, intp(o), fty, lanes), align=isz)
+                with builder.if_then(with_arg_):
+                    builder.store(builder.load(b), vptr(brow, intp(o // isz * psz), pty, lanes),
+                                  align=psz)
+
+        n = cgutils.unpack_tuple(builder, oa.shape)[1]
+        _ir_tiles(builder, intp, isz, n, tile, largest=128)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -315,50 +523,6 @@ def _dot(typingctx, A, i, B, j, n):
 
 
 @njit(inline="always")
-def _sum_rows(X, ids, W, wids, inner, beg, end, out, v, pf, pend):
-    """out[v] += the sum of X's rows ids[beg:end] (times per-head weights if inner > 0, see
-    :func:`_tile_sum`), in register tiles of at most 256 bytes (8 AVX2 registers), one pass over
-    the edges per tile; the tile sizes must be literals, hence the unrolled ladder. A (row, block)
-    with no edges is skipped: it would only load and store the output row."""
-    if end <= beg:
-        return
-    isz = out.itemsize
-    left = out.shape[1] * isz
-    c = 0
-    while left >= 256:
-        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 256)
-        c += 256 // isz
-        left -= 256
-    if left >= 128:
-        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 128)
-        c += 128 // isz
-        left -= 128
-    if left >= 64:
-        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 64)
-        c += 64 // isz
-        left -= 64
-    if left >= 32:
-        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 32)
-        c += 32 // isz
-        left -= 32
-    # the last 4-28 bytes: one literal tile each (float64 only reaches the multiples of 8)
-    if left == 4:
-        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 4)
-    elif left == 8:
-        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 8)
-    elif left == 12:
-        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 12)
-    elif left == 16:
-        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 16)
-    elif left == 20:
-        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 20)
-    elif left == 24:
-        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 24)
-    elif left == 28:
-        _tile_sum(X, ids, W, wids, inner, beg, end, out, v, c, pf, pend, 28)
-
-
-@njit(inline="always")
 def _spmm_sum_part(r0, r1, base, first, mean, indptr, bptr, indices, eids, U, W, out, op, mode,
                    inner, loff, roff, pf, lo, lu, lw, uline):
     """Rows r0:r1 of one block pass of :func:`_spmm_sum` (zeroing first, dividing by the full
@@ -375,13 +539,13 @@ def _spmm_sum_part(r0, r1, base, first, mean, indptr, bptr, indices, eids, U, W,
             for f in range(lo):
                 orow[f] = 0
         if mode == M_COPY_U:
-            _sum_rows(U, indices, W, eids, 0, beg, end, out, v, pf, pend)
+            _tile_sum(U, indices, W, eids, 0, beg, end, out, v, pf, pend, None, None)
         elif mode == M_COPY_E:
-            _sum_rows(W, eids, W, eids, 0, beg, end, out, v, pf, pend)
+            _tile_sum(W, eids, W, eids, 0, beg, end, out, v, pf, pend, None, None)
         elif mode == M_BLOCK_E and op == MUL and (inner == lo or inner % vlanes == 0):
             # one weight per edge (GCN-style u_mul_e) or per head of whole vectors (GAT's
             # aggregation, u [N, H, F] * e [E, H, 1] with F a multiple of 8 in float32)
-            _sum_rows(U, indices, W, eids, inner, beg, end, out, v, pf, pend)
+            _tile_sum(U, indices, W, eids, inner, beg, end, out, v, pf, pend, None, None)
         elif mode == M_BLOCK_E:
             nb = lo // inner
             for k in range(beg, end):
@@ -443,35 +607,32 @@ def _spmm_sum(parts, indptr, bptr, nblk, indices, eids, U, W, out, op, mode, inn
 
 
 @intrinsic
-def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, first, beg, end, GU, c0, pf, pend,
-                   nbytes):
+def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend):
     """Both gradients of a u_mul_e/sum g-SpMM with one weight per edge, for one row ``s`` of the
-    transposed CSR and one column tile ``c0 : c0 + n`` (n = ``nbytes`` // itemsize, a literal):
-    ``GU[s, tile] += sum over k in beg:end of G[ids[k], tile] * W[wids[k], 0]`` (register tile, as
-    in :func:`_tile_sum`) and, from the same G row, ``GE[wids[k], 0] (= if first else +=) sum over
-    the tile of G[ids[k], tile] * U[s, tile]``. Fusing them reads each G row once for both (a
-    separate g-SDDMM for GE gathered every U row again at random). The dot's order is fixed (32-byte
-    products summed lane-wise, lanes pairwise, then the narrower pieces): bitwise reproducible."""
-    if not isinstance(nbytes, types.IntegerLiteral) or not isinstance(G, types.Array):
+    transposed CSR, tile by tile over the row (:func:`_ir_tiles`):
+    ``GU[s] += sum over k in beg:end of G[ids[k]] * W[wids[k], 0]`` (register tiles, as in
+    :func:`_tile_sum`) and, from the same G row, ``GE[wids[k], 0] = sum over f of G[ids[k], f] *
+    U[s, f]``. Fusing them reads each G row once for both (a separate g-SDDMM for GE gathered every
+    U row again at random). The dot's order is fixed (per tile: 32-byte products summed
+    lane-wise, lanes pairwise, then the narrower pieces; tiles in row order): bitwise
+    reproducible."""
+    if not isinstance(G, types.Array):
         return None
-    sig = types.void(G, ids, W, wids, U, s, GE, first, beg, end, GU, c0, pf, pend, nbytes)
+    sig = types.void(G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend)
 
     def codegen(context, builder, sig, args):
         gty, ity, wty, wity, uty, _, gety = sig.args[:7]
-        guty = sig.args[10]
+        guty = sig.args[9]
         intp = context.get_value_type(types.intp)
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         fty = context.get_data_type(gty.dtype)
         isz = context.get_abi_sizeof(fty)
         arrays = [context.make_array(t)(context, builder, args[k])
                   for k, t in ((0, gty), (1, ity), (2, wty), (3, wity), (4, uty), (6, gety),
-                               (10, guty))]
+                               (9, guty))]
         ga, ia, wa, wia, ua, gea, gua = arrays
-        s_, beg_, end_, c0_, pf_, pend_ = [context.cast(builder, args[k], sig.args[k], types.intp)
-                                           for k in (5, 8, 9, 11, 12, 13)]
-        pieces = _ir_pieces(nbytes.literal_value, isz)
-        if not pieces:
-            return context.get_dummy_value()
+        s_, beg_, end_, pf_, pend_ = [context.cast(builder, args[k], sig.args[k], types.intp)
+                                      for k in (5, 7, 8, 10, 11)]
 
         def ptr(base, byte_off, lanes):
             return builder.bitcast(builder.gep(base, [intp(byte_off)]),
@@ -486,97 +647,68 @@ def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, first, beg, end, GU, c0
         def load_id(arr, k):
             return _ir_load_id(builder, arr, k, intp)
 
-        cbytes = builder.mul(c0_, intp(isz))
-        gurow = builder.gep(base(gua), [builder.add(builder.mul(s_, stride0(gua)), cbytes)])
-        urow = builder.gep(base(ua), [builder.add(builder.mul(s_, stride0(ua)), cbytes)])
-        accs = []
-        for o, lanes in pieces:
-            a = cgutils.alloca_once(builder, _ir_vec(fty, lanes))
-            builder.store(builder.load(ptr(gurow, o, lanes), align=isz), a)
-            accs.append(a)
         pfn = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH_NAME)
         gs, ws, ges = stride0(ga), stride0(wa), stride0(gea)
-        span = pieces[-1][0] + pieces[-1][1] * isz
-        with cgutils.for_range_slice(builder, beg_, end_, intp(1), intp=intp) as (k, _):
-            kp = builder.add(k, pf_)
-            with builder.if_then(builder.icmp_signed("<", kp, pend_), likely=True):
-                row = builder.gep(base(ga), [builder.add(builder.mul(load_id(ia, kp), gs), cbytes)])
-                for o in range(0, span, 64):
-                    builder.call(pfn, [builder.gep(row, [intp(o)]), i32(0), i32(3), i32(1)])
-                wid = load_id(wia, kp)
-                builder.call(pfn, [builder.gep(base(wa), [builder.mul(wid, ws)]), i32(0), i32(3),
-                                   i32(1)])
-                builder.call(pfn, [builder.gep(base(gea), [builder.mul(wid, ges)]), i32(1),
-                                   i32(3), i32(1)])
-            row = builder.gep(base(ga), [builder.add(builder.mul(load_id(ia, k), gs), cbytes)])
-            wid = load_id(wia, k)
-            w = builder.load(builder.bitcast(builder.gep(base(wa), [builder.mul(wid, ws)]),
-                                             fty.as_pointer()))
-            vsum, dot = None, None
-            for (o, lanes), a in zip(pieces, accs):
-                val = builder.load(ptr(row, o, lanes), align=isz)
-                wval = builder.fmul(val, _ir_splat(builder, w, lanes))
-                builder.store(builder.fadd(builder.load(a), wval), a)
-                prod = builder.fmul(val, builder.load(ptr(urow, o, lanes), align=isz))
-                if lanes * isz == 32:
-                    vsum = prod if vsum is None else builder.fadd(vsum, prod)
-                    continue
+        gubase = builder.gep(base(gua), [builder.mul(s_, stride0(gua))])
+        ubase = builder.gep(base(ua), [builder.mul(s_, stride0(ua))])
+
+        def tile(c0, nbytes):
+            pieces = _ir_pieces(nbytes, isz)
+            cbytes = builder.mul(c0, intp(isz))
+            first = builder.icmp_signed("==", c0, intp(0))
+            gurow = builder.gep(gubase, [cbytes])
+            urow = builder.gep(ubase, [cbytes])
+            accs = []
+            for o, lanes in pieces:
+                a = cgutils.alloca_once(builder, _ir_vec(fty, lanes))
+                builder.store(builder.load(ptr(gurow, o, lanes), align=isz), a)
+                accs.append(a)
+            with cgutils.for_range_slice(builder, beg_, end_, intp(1), intp=intp) as (k, _):
+                kp = builder.add(k, pf_)
+                with builder.if_then(builder.icmp_signed("<", kp, pend_), likely=True):
+                    row = builder.gep(base(ga),
+                                      [builder.add(builder.mul(load_id(ia, kp), gs), cbytes)])
+                    for o in range(0, nbytes, 64):
+                        builder.call(pfn, [builder.gep(row, [intp(o)]), i32(0), i32(3), i32(1)])
+                    wid = load_id(wia, kp)
+                    builder.call(pfn, [builder.gep(base(wa), [builder.mul(wid, ws)]), i32(0),
+                                       i32(3), i32(1)])
+                    builder.call(pfn, [builder.gep(base(gea), [builder.mul(wid, ges)]), i32(1),
+                                       i32(3), i32(1)])
+                row = builder.gep(base(ga), [builder.add(builder.mul(load_id(ia, k), gs), cbytes)])
+                wid = load_id(wia, k)
+                w = builder.load(builder.bitcast(builder.gep(base(wa), [builder.mul(wid, ws)]),
+                                                 fty.as_pointer()))
+                vsum, dot = None, None
+                for (o, lanes), a in zip(pieces, accs):
+                    val = builder.load(ptr(row, o, lanes), align=isz)
+                    wval = builder.fmul(val, _ir_splat(builder, w, lanes))
+                    builder.store(builder.fadd(builder.load(a), wval), a)
+                    prod = builder.fmul(val, builder.load(ptr(urow, o, lanes), align=isz))
+                    if lanes * isz == 32:
+                        vsum = prod if vsum is None else builder.fadd(vsum, prod)
+                        continue
+                    if vsum is not None:
+                        dot, vsum = _ir_hsum(builder, vsum, 32 // isz), None
+                    part = _ir_hsum(builder, prod, lanes)
+                    dot = part if dot is None else builder.fadd(dot, part)
                 if vsum is not None:
-                    dot, vsum = _ir_hsum(builder, vsum, 32 // isz), None
-                part = _ir_hsum(builder, prod, lanes)
-                dot = part if dot is None else builder.fadd(dot, part)
-            if vsum is not None:
-                dot = _ir_hsum(builder, vsum, 32 // isz)
-            gep = builder.bitcast(builder.gep(base(gea), [builder.mul(wid, ges)]),
-                                  fty.as_pointer())
-            builder.store(builder.select(args[7], dot, builder.fadd(builder.load(gep), dot)), gep)
-        for (o, lanes), a in zip(pieces, accs):
-            builder.store(builder.load(a), ptr(gurow, o, lanes), align=isz)
+                    dot = _ir_hsum(builder, vsum, 32 // isz)
+                gep = builder.bitcast(builder.gep(base(gea), [builder.mul(wid, ges)]),
+                                      fty.as_pointer())
+                # the row's first tile sets GE (no zeroing pass), later tiles add to it
+                builder.store(builder.select(first, dot, builder.fadd(builder.load(gep), dot)),
+                              gep)
+            for (o, lanes), a in zip(pieces, accs):
+                builder.store(builder.load(a), ptr(gurow, o, lanes), align=isz)
+
+        with builder.if_then(builder.icmp_signed("<", beg_, end_)):
+            n = cgutils.unpack_tuple(builder, gua.shape)[1]
+            _ir_tiles(builder, intp, isz, n, tile)
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-@njit(inline="always")
-def _mul_grad_rows(G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend):
-    """Both u_mul_e/sum gradients for transposed row s (see :func:`_tile_mul_grad`), tile by tile
-    as in :func:`_sum_rows`."""
-    if end <= beg:
-        return
-    isz = GU.itemsize
-    left = GU.shape[1] * isz
-    c = 0
-    while left >= 256:
-        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 256)
-        c += 256 // isz
-        left -= 256
-    if left >= 128:
-        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 128)
-        c += 128 // isz
-        left -= 128
-    if left >= 64:
-        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 64)
-        c += 64 // isz
-        left -= 64
-    if left >= 32:
-        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 32)
-        c += 32 // isz
-        left -= 32
-    if left == 4:
-        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 4)
-    elif left == 8:
-        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 8)
-    elif left == 12:
-        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 12)
-    elif left == 16:
-        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 16)
-    elif left == 20:
-        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 20)
-    elif left == 24:
-        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 24)
-    elif left == 28:
-        _tile_mul_grad(G, ids, W, wids, U, s, GE, c == 0, beg, end, GU, c, pf, pend, 28)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -595,7 +727,7 @@ def _spmm_mul_grads(tparts, tbptr, nblk, tindices, teids, G, W, U, GU, GE, pf):
                 if blk == 0:
                     for f in range(lo):
                         GU[s, f] = 0
-                _mul_grad_rows(G, tindices, W, teids, U, s, GE, tbptr[base + s],
+                _tile_mul_grad(G, tindices, W, teids, U, s, GE, tbptr[base + s],
                                tbptr[base + s + 1], GU, pf, pend)
 
 
@@ -758,15 +890,19 @@ def _spmm_maxmin(parts, indptr, indices, eids, U, W, out, won, best, op, mode, i
     when the edge at position k gave output element f: E * ceil(F / 32) words written in CSR
     order rather than an [num_dst, F] arg array, and backward reads one small word per edge
     instead of an arg row. ``best[p]`` is part p's scratch row of winning positions (relative to
-    the row start).
+    the row start). copy_u, copy_e and u_mul_e with one weight per edge or per head of whole
+    vectors run in register tiles (:func:`_tile_maxmin`), the other layouts through
+    :func:`_take`; both follow the same rule.
     """
     lo = out.shape[1]
     lu = U.shape[1]
     lw = W.shape[1]
     nw = won.shape[1]
     uline = max(1, 64 // U.itemsize)
-    one = out.dtype.type(1)
     start = -np.inf if is_max else np.inf
+    # one weight per edge (GCN-style u_mul_e) or per head of whole vectors
+    tile_weighted = (mode == M_BLOCK_E and op == MUL
+                     and (inner == lo or inner % (32 // out.itemsize) == 0))
     for p in prange(parts.size - 1):
         pend = indptr[parts[p + 1]]
         buf = np.empty(lo, out.dtype)
@@ -780,38 +916,45 @@ def _spmm_maxmin(parts, indptr, indices, eids, U, W, out, won, best, op, mode, i
                 for f in range(lo):
                     orow[f] = 0
                 continue
-            # -inf/+inf is the identity of max/min and loses every comparison, so position 0
-            # stays the winner where all messages equal it: no first-edge special case.
-            for f in range(lo):
-                orow[f] = start
-            if with_arg:
-                for f in range(lo):
-                    brow[f] = 0
-            for k in range(beg, end):
-                if k + pf < pend:
-                    if mode != M_COPY_E:
-                        _prefetch_row(U, indices[k + pf], lu, uline)
-                    if mode != M_COPY_U:
-                        _prefetch_row(W, eids[k + pf], lw, uline)
-                jz[0] = k - beg  # the row position in brow's integer type
-                if mode == M_COPY_U:
-                    _take(is_max, with_arg, orow, brow, U[indices[k]], one, jz[0], jz[1])
-                elif mode == M_COPY_E:
-                    _take(is_max, with_arg, orow, brow, W[eids[k]], one, jz[0], jz[1])
-                elif mode == M_BLOCK_E and op == MUL and inner == lo:  # one weight per edge
-                    _take(is_max, with_arg, orow, brow, U[indices[k]], W[eids[k], 0], jz[0],
-                          jz[1])
-                else:
-                    # Other ops and per-head weights: form the message first. (Calling _take per
-                    # head block, on sub-ranges or views, measured 3-4x slower than this.)
-                    _message_row(op, mode, inner, U[indices[k]], W[eids[k]], loff, roff, buf)
-                    _take(is_max, with_arg, orow, brow, buf, one, jz[0], jz[1])
+            if mode == M_COPY_U or mode == M_COPY_E or tile_weighted:
+                # register tiles (same rule and bits as _take below)
+                X = W if mode == M_COPY_E else U
+                ids = eids if mode == M_COPY_E else indices
+                _tile_maxmin(X, ids, W, eids, inner if tile_weighted else 0, beg, end, out, v, pf,
+                             pend, brow, is_max, with_arg)
+            else:
+                _maxmin_generic(beg, end, pend, indices, eids, U, W, orow, brow, buf, jz, op,
+                                mode, inner, loff, roff, start, is_max, with_arg, pf, lu, lw,
+                                uline)
             if with_arg:
                 for k in range(beg, end):
                     for w in range(nw):
                         won[k, w] = 0
                 for f in range(lo):
                     won[beg + brow[f], f >> 5] |= 1 << (f & 31)
+
+
+@njit(inline="always")
+def _maxmin_generic(beg, end, pend, indices, eids, U, W, orow, brow, buf, jz, op, mode, inner,
+                    loff, roff, start, is_max, with_arg, pf, lu, lw, uline):
+    """One row of :func:`_spmm_maxmin` for the layouts without register tiles (ops other than
+    u_mul_e, other broadcasts, heads of other widths): form each message, then fold it in."""
+    one = orow.dtype.type(1)
+    # -inf/+inf is the identity of max/min and loses every comparison, so position 0
+    # stays the winner where all messages equal it: no first-edge special case.
+    for f in range(orow.size):
+        orow[f] = start
+    if with_arg:
+        for f in range(orow.size):
+            brow[f] = 0
+    for k in range(beg, end):
+        if k + pf < pend:
+            _prefetch_row(U, indices[k + pf], lu, uline)
+            _prefetch_row(W, eids[k + pf], lw, uline)
+        jz[0] = k - beg  # the row position in brow's integer type
+        # (calling _take per head block, on sub-ranges or views, measured 3-4x slower than this)
+        _message_row(op, mode, inner, U[indices[k]], W[eids[k]], loff, roff, buf)
+        _take(is_max, with_arg, orow, brow, buf, one, jz[0], jz[1])
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -859,7 +1002,7 @@ def _maxmin_grad_e(parts, indptr, indices, eids, won, G, U, W, GE, op, loff, rof
 
 @njit(parallel=True, cache=True, nogil=True)
 def _maxmin_grad_u(tparts, tbptr, nblk, tindices, teids, tpos, won, G, W, GU, op, loff, roff,
-                   pf):
+                   tile, inner, pf):
     """Gradient of max/min w.r.t. the source operand, in its own shape.
 
     Parallel over SOURCE rows of the transposed CSR: each source sums, over its out-edges in edge
@@ -868,6 +1011,11 @@ def _maxmin_grad_u(tparts, tbptr, nblk, tindices, teids, tpos, won, G, W, GU, op
     deterministic without atomics. In ``nblk`` blocks of destinations (layout as in
     :func:`_spmm_sum`, over the transposed CSR): a block's G rows, and its ``won`` words (the
     forward CSR keeps a destination's edges together), stay cached while it runs.
+
+    With ``tile`` (u's row is the output row, and the gradient is G's element, times one weight
+    per edge or head of ``inner`` features if ``inner`` > 0), each edge adds its whole G row with
+    the lanes it lost masked to zero, in register tiles (:func:`_tile_sum`): a dense vector add per
+    edge costs less than visiting the set bits one by one, whose count per edge is unpredictable.
     """
     nw = won.shape[1]
     lg = G.shape[1]
@@ -884,6 +1032,10 @@ def _maxmin_grad_u(tparts, tbptr, nblk, tindices, teids, tpos, won, G, W, GU, op
                 if blk == 0:
                     for f in range(lu):
                         gurow[f] = 0
+                if tile:
+                    _tile_sum(G, tindices, W, teids, inner, tbptr[base + s], tbptr[base + s + 1],
+                              GU, s, pf, pend, won, tpos)
+                    continue
                 for kt in range(tbptr[base + s], tbptr[base + s + 1]):
                     if kt + pf < pend:
                         _prefetch_row(G, tindices[kt + pf], lg, gline)
@@ -1382,8 +1534,14 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
                            math.prod(fu) * g.element_size()) if t.blocking else 1
         tbptr, tindices, teids = _blocked(t, nblk)
         gu = _empty((csr.num_src, math.prod(fu)), g.dtype)
+        inner = 0
+        if binop == "mul":
+            inner = _block_inner(fu, fe, fo)
+            tile = inner is not None and (inner == G.shape[1] or inner % (32 // G.itemsize) == 0)
+        else:
+            tile = binop in ("copy_lhs", "add", "sub") and fu == fo
         _launch(_maxmin_grad_u, tparts, tbptr, nblk, tindices, teids, _fwd_positions(t, csr, nblk),
-                won, G, W, gu.numpy(), op, loff, roff,
+                won, G, W, gu.numpy(), op, loff, roff, tile, inner if tile else 0,
                 _prefetch_distance(G.shape[1] * G.itemsize))
         gu = gu.reshape((csr.num_src,) + fu)
     if need_rhs:

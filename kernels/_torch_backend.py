@@ -66,10 +66,12 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     out.scatter_reduce_(0, idx, msg, "amax" if reduce == "max" else "amin", include_self=False)
     if not need_arg:
         return out, None
-    # arg: the smallest edge id attaining the extreme value (the first in CSR order).
+    # arg: the smallest edge id attaining the extreme value (the first in CSR order); where a
+    # NaN message made the element NaN, the first NaN edge, as the numba backends record it.
     E = csr.num_edges
     eid = torch.arange(E, device=csr.device).view((-1,) + (1,) * len(fo)).expand_as(msg)
-    cand = torch.where(msg == out.index_select(0, dst), eid, torch.full_like(eid, E))
+    hit = (msg == out.index_select(0, dst)) | msg.isnan()
+    cand = torch.where(hit, eid, torch.full_like(eid, E))
     arg = torch.full((csr.num_dst,) + fo, E, dtype=torch.int64, device=csr.device)
     arg.scatter_reduce_(0, idx, cand, "amin", include_self=True)
     arg[arg == E] = -1

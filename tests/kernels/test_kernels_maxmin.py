@@ -68,14 +68,24 @@ def test_ties_and_infinities_by_hand(backend, reduce, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduce", ["max", "min"])
 def test_nan_propagates_like_torch_amax(backend, reduce):
+    """A NaN message makes its element NaN, and the first NaN edge (smallest edge id) is that
+    element's winner: it alone gets the element's gradient, on every backend."""
     dev = DEVICE.get(backend, "cpu")
     csr = _tie_graph(dev)
     u = torch.tensor(TIE_U)
     u[1, 0] = float("nan")  # source 1 feeds row 0 through edge 1
-    out = kernels.gspmm(csr, "copy_u", reduce, u=u.to(dev), backend=backend)
+    u[3, 0] = float("nan")  # source 3 feeds row 0 through edge 2, a later NaN
+    ud = u.to(dev).requires_grad_()
+    out = kernels.gspmm(csr, "copy_u", reduce, u=ud, backend=backend)
     want = torch.tensor(TIE_EXPECTED[reduce][0])
     want[0, 0] = float("nan")
-    torch.testing.assert_close(out.cpu(), want, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(out.detach().cpu(), want, equal_nan=True, rtol=0, atol=0)
+    (gu,) = torch.autograd.grad(out, ud, torch.tensor(TIE_G, device=dev))
+    want_gu = torch.tensor(TIE_EXPECTED[reduce][1])
+    finite_winner = {"max": 2, "min": 3}[reduce]  # row 0, feature 0 without the NaNs
+    want_gu[finite_winner, 0] -= TIE_G[0][0]
+    want_gu[1, 0] += TIE_G[0][0]
+    assert gu.cpu().tolist() == want_gu.tolist()
 
 
 def _power_law(n, e, seed):

@@ -4,9 +4,11 @@ The sum/mean g-SpMM gathers copy_u, copy_e and u_mul_e (one weight per edge, or 
 32-byte vectors) through ``_tile_sum``, whose tile ladder (256/128/64/32 bytes, then a literal tail
 of 4-28 bytes) has a separate code path for every row width modulo 64 elements; the g-SDDMM dot
 products go through ``_dot`` (32-byte chunks, then a scalar tail), and both gradients of
-u_mul_e/sum with one weight per edge through ``_tile_mul_grad``. These tests sweep the widths
-that reach every rung, in both float dtypes, against the dense reference, unblocked and with
-source blocks forced, on a graph with a hub row (longer than any prefetch distance) and empty rows.
+u_mul_e/sum with one weight per edge through ``_tile_mul_grad``; the max/min g-SpMM of the same
+layouts through ``_tile_maxmin`` (tiles of at most 128 bytes), and its gradient w.r.t. u through
+``_tile_sum`` with each edge's winner bits as a lane mask. These tests sweep the widths that reach
+every rung, in both float dtypes, against the dense or torch reference, unblocked and with source
+blocks forced, on a graph with a hub row (longer than any prefetch distance) and empty rows.
 """
 
 import pytest
@@ -149,3 +151,60 @@ def test_fused_mul_grads_deterministic():
         torch.set_num_threads(before)
     for a, b, c in zip(first, grads(), one):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("nblk", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_gspmm_maxmin_widths_match_torch_exactly(monkeypatch, nblk, dtype, index_dtype):
+    """Small integer values make ties frequent: values and gradients must equal the torch
+    backend's bit for bit at every width (one winner per element, the smallest edge id; integer
+    gradients keep the sums exact in any order). Covers the register-tile forward and the masked
+    tile gradient w.r.t. u (copy_u, u_add_e with u's shape = the output's, u_mul_e with one weight
+    per edge or per head of whole vectors) and the generic paths beside them."""
+    monkeypatch.setattr(_numba_cpu, "_FORCE_BLOCKS", nblk)
+    csr = _graph(index_dtype)
+    gen = torch.Generator().manual_seed(3)
+
+    def ints(shape, lo=-2, hi=3):
+        return torch.randint(lo, hi, shape, generator=gen).to(dtype)
+
+    for f in WIDTHS:
+        cases = [("copy_u", (f,), None), ("copy_e", None, (f,)), ("u_mul_e", (f,), (1,)),
+                 ("u_add_e", (f,), (1,)), ("u_sub_e", (f,), (f,))]
+        if f % 8 == 0 and f >= 16:
+            cases.append(("u_mul_e", (f // 8, 8), (f // 8, 1)))
+        for op, fu, fe in cases:
+            u = ints((csr.num_src,) + fu) if fu else None
+            e = ints((csr.num_edges,) + fe, 1, 3) if fe else None
+            fo = torch.broadcast_shapes(*(x.shape[1:] for x in (u, e) if x is not None))
+            g = ints((csr.num_dst,) + tuple(fo), -9, 10)
+            for reduce in ("max", "min"):
+                got, want = [], []
+                for backend, out_list in (("numba", got), ("torch", want)):
+                    ins = [x.clone().requires_grad_() if x is not None else None for x in (u, e)]
+                    out = kernels.gspmm(csr, op, reduce, u=ins[0], e=ins[1], backend=backend)
+                    live = [x for x in ins if x is not None]
+                    out_list += [out.detach()] + list(torch.autograd.grad(out, live, g))
+                for a, b in zip(got, want):
+                    assert a.shape == b.shape and torch.equal(a, b), (op, fu, fe, reduce)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gspmm_maxmin_tiles_nan_and_inf(dtype):
+    """NaN propagates (and the first NaN wins the element), -inf/+inf messages still win their
+    element when nothing beats them, at widths in every tile size."""
+    csr = _graph(torch.int32)
+    for f in (3, 8, 13, 40):
+        u = rand((csr.num_src, f), dtype, f)
+        u[7, 1] = float("nan")
+        u[9, 2] = float("-inf")
+        u[11, 0] = float("inf")
+        for reduce in ("max", "min"):
+            a = u.clone().requires_grad_()
+            b = u.clone().requires_grad_()
+            got = kernels.gspmm(csr, "copy_u", reduce, u=a, backend="numba")
+            want = kernels.gspmm(csr, "copy_u", reduce, u=b, backend="torch")
+            torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+            g = torch.ones_like(got)
+            assert torch.equal(torch.autograd.grad(got, a, g)[0], torch.autograd.grad(want, b, g)[0])
