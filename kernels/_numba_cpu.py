@@ -14,10 +14,11 @@ Source rows are gathered at random, so the gather loops prefetch the row a few e
 The g-SpMM's common layouts (copy_u, copy_e, u_mul_e with one weight per edge or per head) gather
 through LLVM intrinsics (_tile_sum, _tile_maxmin) that hold a row tile's partial sums, or running
 extremes and winning positions, in vector registers across the row's edges; the max/min gradient
-w.r.t. u reuses _tile_sum with the recorded winner bits as lane masks. When the gathered rows outgrow the last-level cache, the sum/mean g-SpMM,
-the g-SDDMM and the max/min gradient w.r.t. u run in blocks of source rows (a blocked copy of the
-CSR, cached on it): one pass per block over all destination rows, so the block's rows, and their
-page-table entries, stay cached; the block count comes from a cost model (_num_blocks).
+w.r.t. u reuses _tile_sum with the recorded winner bits as lane masks. When the gathered rows
+outgrow the last-level cache, the g-SpMM (the max/min in its register-tile layouts), the g-SDDMM
+and the max/min gradient w.r.t. u run in blocks of source rows (a blocked copy of the CSR, cached
+on it): one pass per block over all destination rows, so the block's rows, and their page-table
+entries, stay cached; the block count comes from a cost model (_num_blocks).
 """
 
 from __future__ import annotations
@@ -350,25 +351,31 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, M, 
 
 
 @intrinsic
-def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, B, is_max,
+def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, B, kpos, is_max,
                  with_arg):
-    """``out[v, f] = max`` (``is_max``, else min) ``over k in beg:end of X[ids[k], f]`` (each term
-    times ``W[wids[k], f // inner]`` if ``inner`` > 0, as in :func:`_tile_sum`) for every f <
-    ``out.shape[1]``, and with ``with_arg`` the winning edge's row position ``k - beg`` in
-    ``B[f]``. The row must have edges.
+    """Fold the messages ``X[ids[k], f]`` (each times ``W[wids[k], f // inner]`` if ``inner`` > 0,
+    as in :func:`_tile_sum`) of the edges k in beg:end into ``out[v, f]`` by max (``is_max``) or
+    min, for every f < ``out.shape[1]``, and their winning CSR positions into ``B[f]`` (stored
+    with ``with_arg``). ``out[v]`` and ``B`` hold the running state on entry (-inf/+inf and the
+    row's first position before the first edge); the CSR position of k is ``kpos[k]``, or k
+    itself if ``kpos`` is empty.
 
     Same rule as :func:`_take`, so the same bits: an edge wins an element when it beats the
-    running value strictly or is the first NaN, starting from -inf/+inf at position 0; the
-    running value is llvm.maximum/minimum (NaN-propagating). The running values and positions
-    stay in registers over the row's edges, in tiles of at most 128 bytes (values and positions
-    of a 128-byte float32 tile already take 8 of the 16 AVX2 registers). Positions are tracked
-    even without ``with_arg``: a register select per vector costs no measurable time here, and
-    one edge loop per (weighted, max/min) variant halves the compile time.
+    running value strictly or is the first NaN; the running value is llvm.maximum/minimum
+    (NaN-propagating). An edge that ties the running value (or is NaN where it is NaN) wins only
+    if its CSR position is smaller: never, in CSR order, but across source blocks, which visit a
+    row's edges out of order, it keeps the smallest edge id the winner. The running values and
+    positions stay in registers over the edges, in tiles of at most 128 bytes (values and
+    positions of a 128-byte float32 tile already take 8 of the 16 AVX2 registers). Positions
+    are tracked even without ``with_arg``: a register select per vector costs no measurable time
+    here, and one edge loop per (weighted, max/min) variant halves the compile time.
     """
     if not (isinstance(X, types.Array) and isinstance(out, types.Array)
-            and isinstance(B, types.Array) and isinstance(B.dtype, types.Integer)):
+            and isinstance(B, types.Array) and isinstance(B.dtype, types.Integer)
+            and isinstance(kpos, types.Array)):
         return None
-    sig = types.void(X, ids, W, wids, inner, beg, end, out, v, pf, pend, B, is_max, with_arg)
+    sig = types.void(X, ids, W, wids, inner, beg, end, out, v, pf, pend, B, kpos, is_max,
+                     with_arg)
 
     def codegen(context, builder, sig, args):
         xty, ity, wty, wity, _, _, _, oty = sig.args[:8]
@@ -378,13 +385,13 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
         fty = context.get_data_type(xty.dtype)
         pty = context.get_data_type(bty.dtype)
         isz, psz = context.get_abi_sizeof(fty), context.get_abi_sizeof(pty)
-        xa, ia, wa, wia, oa = [context.make_array(sig.args[i])(context, builder, args[i])
-                               for i in (0, 1, 2, 3, 7)]
-        ba = context.make_array(bty)(context, builder, args[11])
+        xa, ia, wa, wia, oa, ba, ka = [context.make_array(sig.args[i])(context, builder, args[i])
+                                       for i in (0, 1, 2, 3, 7, 11, 12)]
         inner_, beg_, end_, v_, pf_, pend_ = [
             context.cast(builder, args[i], sig.args[i], types.intp) for i in (4, 5, 6, 8, 9, 10)]
-        is_max_ = context.cast(builder, args[12], sig.args[12], types.boolean)
-        with_arg_ = context.cast(builder, args[13], sig.args[13], types.boolean)
+        is_max_ = context.cast(builder, args[13], sig.args[13], types.boolean)
+        with_arg_ = context.cast(builder, args[14], sig.args[14], types.boolean)
+        remap = builder.icmp_signed(">", cgutils.unpack_tuple(builder, ka.shape)[0], intp(0))
 
         def vptr(base, byte_off, ty, lanes):
             return builder.bitcast(builder.gep(base, [byte_off]), _ir_vec(ty, lanes).as_pointer())
@@ -417,14 +424,16 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
             cbytes = builder.mul(c0, intp(isz))
             firsts = [builder.add(c0, intp(o // isz)) for o, _ in pieces]
             wcols = [builder.mul(builder.sdiv(f0, safe_inner), intp(isz)) for f0 in firsts]
-            vals = [cgutils.alloca_once(builder, _ir_vec(fty, lanes)) for _, lanes in pieces]
-            poss = [cgutils.alloca_once(builder, _ir_vec(pty, lanes)) for _, lanes in pieces]
+            orow = builder.gep(obase, [cbytes])
+            brow = builder.gep(bbase, [builder.mul(c0, intp(psz))])
+            vals, poss = [], []
+            for o, lanes in pieces:
+                vals.append(cgutils.alloca_once_value(
+                    builder, builder.load(vptr(orow, intp(o), fty, lanes), align=isz)))
+                poss.append(cgutils.alloca_once_value(
+                    builder, builder.load(vptr(brow, intp(o // isz * psz), pty, lanes), align=psz)))
 
             def edge_loop(with_weight, maxing):
-                start = ir.Constant(fty, float("-inf") if maxing else float("inf"))
-                for (_, lanes), a, b in zip(pieces, vals, poss):
-                    builder.store(_ir_splat(builder, start, lanes), a)
-                    builder.store(ir.Constant(_ir_vec(pty, lanes), None), b)
                 with cgutils.for_range_slice(builder, beg_, end_, intp(1), intp=intp) as (k, _):
                     kp = builder.add(k, pf_)
                     with builder.if_then(builder.icmp_signed("<", kp, pend_), likely=True):
@@ -439,7 +448,8 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
                     row = builder.gep(xbase, [builder.add(builder.mul(load_id(ia, k), xs), cbytes)])
                     if with_weight:
                         wrow = builder.gep(wbase, [builder.mul(load_id(wia, k), ws)])
-                    j = builder.trunc(builder.sub(k, beg_), pty) if psz < 8 else builder.sub(k, beg_)
+                    pos = builder.select(remap, load_id(ka, k), k)
+                    j = builder.trunc(pos, pty) if psz < 8 else pos
                     for (o, lanes), a, b, wcol in zip(pieces, vals, poss, wcols):
                         x = builder.load(vptr(row, intp(o), fty, lanes), align=isz)
                         if with_weight:
@@ -447,10 +457,16 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
                                                              fty.as_pointer()))
                             x = builder.fmul(x, _ir_splat(builder, w, lanes))
                         cur = builder.load(a)
-                        beats = builder.fcmp_unordered(">" if maxing else "<", x, cur)
-                        won = builder.and_(beats, builder.fcmp_ordered("==", cur, cur))
-                        builder.store(builder.select(won, _ir_splat(builder, j, lanes),
-                                                     builder.load(b)), b)
+                        at = builder.load(b)
+                        jv = _ir_splat(builder, j, lanes)
+                        beats = builder.and_(
+                            builder.fcmp_unordered(">" if maxing else "<", x, cur),
+                            builder.fcmp_ordered("==", cur, cur))
+                        same = builder.or_(builder.fcmp_ordered("==", x, cur), builder.and_(
+                            builder.fcmp_unordered("uno", x, x),
+                            builder.fcmp_unordered("uno", cur, cur)))
+                        earlier = builder.and_(same, builder.icmp_signed("<", jv, at))
+                        builder.store(builder.select(builder.or_(beats, earlier), jv, at), b)
                         builder.store(builder.call(fold("maximum" if maxing else "minimum",
                                                         lanes), [cur, x]), a)
 
@@ -460,8 +476,6 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
                     builder.icmp_unsigned("==", is_max_, ir.Constant(is_max_.type, maxing)))
                 with builder.if_then(cond):
                     edge_loop(with_weight, maxing)
-            orow = builder.gep(obase, [cbytes])
-            brow = builder.gep(bbase, [builder.mul(c0, intp(psz))])
             for (o, lanes), a, b in zip(pieces, vals, poss):
                 builder.store(builder.load(a), vptr(orow, intp(o), fty, lanes), align=isz)
                 with builder.if_then(with_arg_):
@@ -804,7 +818,8 @@ def _ctz(typingctx, x):
 
 
 def _fp_intrinsic(name):
-    """Two-operand LLVM floating-point intrinsic (``llvm.<name>.f32/f64``) callable from njit code."""
+    """Two-operand LLVM floating-point intrinsic (``llvm.<name>.f32/f64``), callable from njit
+    code."""
 
     @intrinsic
     def fn(typingctx, a, b):
@@ -853,7 +868,8 @@ def _take(is_max, with_arg, orow, brow, m, scale, j, z):
     paths: x * 1 == x exactly, and the multiply is free in this memory-bound loop. An edge wins
     an element when it beats the current value strictly or is the first NaN (values propagate
     NaN like torch's amax), so ties keep the earlier edge: the smallest edge id, since rows are in
-    edge id order. Positions grow along a row, so "brow = j where won" is an integer max with
+    edge id order. Positions (CSR positions, ``j`` = the edge's) grow along a row, so "brow = j
+    where won" is an integer max with
     j-or-0 (a select into the same slot would again become a masked store). Branches sit outside
     the loops; each loop is branch-free and vectorizes.
     """
@@ -882,76 +898,96 @@ def _take(is_max, with_arg, orow, brow, m, scale, j, z):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _spmm_maxmin(parts, indptr, indices, eids, U, W, out, won, best, op, mode, inner, loff, roff,
-                 is_max, with_arg, pf):
+def _spmm_maxmin(parts, indptr, bptr, nblk, indices, eids, kpos, U, W, out, won, best, op, mode,
+                 inner, loff, roff, is_max, with_arg, pf):
     """max/min over each destination's in-edges; with ``with_arg`` also which edge won.
 
     Winners are recorded as a bit mask per CSR position, ``won[k, f >> 5]`` bit ``f & 31`` set
     when the edge at position k gave output element f: E * ceil(F / 32) words written in CSR
     order rather than an [num_dst, F] arg array, and backward reads one small word per edge
-    instead of an arg row. ``best[p]`` is part p's scratch row of winning positions (relative to
-    the row start). copy_u, copy_e and u_mul_e with one weight per edge or per head of whole
-    vectors run in register tiles (:func:`_tile_maxmin`), the other layouts through
-    :func:`_take`; both follow the same rule.
+    instead of an arg row. Winning positions are kept as absolute CSR positions in ``best``:
+    part p's scratch row ``best[p]`` unblocked, or one row per destination when ``nblk`` > 1.
+
+    copy_u, copy_e and u_mul_e with one weight per edge or per head of whole vectors run in
+    register tiles (:func:`_tile_maxmin`), in ``nblk`` source blocks as :func:`_spmm_sum` (layout
+    in ``bptr``, ``indices``, ``eids``; ``kpos`` maps a blocked position to its CSR position, and
+    is empty unblocked): each block pass folds into the output row and its winners, and a tie
+    goes to the smaller CSR position, so the winner is the same edge in any block order. The
+    other layouts run unblocked through :func:`_take` (same rule).
     """
     lo = out.shape[1]
     lu = U.shape[1]
     lw = W.shape[1]
-    nw = won.shape[1]
     uline = max(1, 64 // U.itemsize)
+    nd = out.shape[0]
     start = -np.inf if is_max else np.inf
     # one weight per edge (GCN-style u_mul_e) or per head of whole vectors
     tile_weighted = (mode == M_BLOCK_E and op == MUL
                      and (inner == lo or inner % (32 // out.itemsize) == 0))
-    for p in prange(parts.size - 1):
-        pend = indptr[parts[p + 1]]
-        buf = np.empty(lo, out.dtype)
-        brow = best[p]
-        jz = np.zeros(2, best.dtype)
-        for v in range(parts[p], parts[p + 1]):
-            beg = indptr[v]
-            end = indptr[v + 1]
-            orow = out[v]
-            if beg == end:
-                for f in range(lo):
-                    orow[f] = 0
-                continue
-            if mode == M_COPY_U or mode == M_COPY_E or tile_weighted:
-                # register tiles (same rule and bits as _take below)
-                X = W if mode == M_COPY_E else U
-                ids = eids if mode == M_COPY_E else indices
-                _tile_maxmin(X, ids, W, eids, inner if tile_weighted else 0, beg, end, out, v, pf,
-                             pend, brow, is_max, with_arg)
-            else:
-                _maxmin_generic(beg, end, pend, indices, eids, U, W, orow, brow, buf, jz, op,
-                                mode, inner, loff, roff, start, is_max, with_arg, pf, lu, lw,
-                                uline)
-            if with_arg:
-                for k in range(beg, end):
-                    for w in range(nw):
-                        won[k, w] = 0
-                for f in range(lo):
-                    won[beg + brow[f], f >> 5] |= 1 << (f & 31)
+    tile = mode == M_COPY_U or mode == M_COPY_E or tile_weighted
+    X = W if mode == M_COPY_E else U
+    for blk in range(nblk):
+        base = blk * nd
+        for p in prange(parts.size - 1):
+            pend = bptr[base + parts[p + 1]]
+            buf = np.empty(lo, out.dtype)
+            jz = np.zeros(2, best.dtype)
+            for v in range(parts[p], parts[p + 1]):
+                orow = out[v]
+                brow = best[0]  # only a scratch row without with_arg
+                if with_arg:
+                    brow = best[v] if nblk > 1 else best[p]
+                if blk == 0:
+                    # -inf/+inf is the identity of max/min and loses every comparison, so the
+                    # row's first edge stays the winner where all messages equal it
+                    fill = start if indptr[v] < indptr[v + 1] else 0
+                    for f in range(lo):
+                        orow[f] = fill
+                    if with_arg:
+                        for f in range(lo):
+                            brow[f] = indptr[v]
+                beg = bptr[base + v]
+                end = bptr[base + v + 1]
+                if beg == end:
+                    continue
+                if tile:
+                    _tile_maxmin(X, eids if mode == M_COPY_E else indices, W, eids,
+                                 inner if tile_weighted else 0, beg, end, out, v, pf, pend, brow,
+                                 kpos, is_max, with_arg)
+                else:
+                    _maxmin_generic(beg, end, pend, indices, eids, U, W, orow, brow, buf, jz, op,
+                                    mode, inner, loff, roff, is_max, with_arg, pf, lu, lw, uline)
+                if with_arg and nblk == 1:
+                    _mark_winners(won, beg, end, brow)
+    if with_arg and nblk > 1:
+        for p in prange(parts.size - 1):
+            for v in range(parts[p], parts[p + 1]):
+                if indptr[v] < indptr[v + 1]:
+                    _mark_winners(won, indptr[v], indptr[v + 1], best[v])
+
+
+@njit(inline="always")
+def _mark_winners(won, beg, end, brow):
+    """Set the winner bits of the edges at CSR positions beg:end from ``brow`` (the winning
+    position of each output element)."""
+    for k in range(beg, end):
+        for w in range(won.shape[1]):
+            won[k, w] = 0
+    for f in range(brow.size):
+        won[brow[f], f >> 5] |= 1 << (f & 31)
 
 
 @njit(inline="always")
 def _maxmin_generic(beg, end, pend, indices, eids, U, W, orow, brow, buf, jz, op, mode, inner,
-                    loff, roff, start, is_max, with_arg, pf, lu, lw, uline):
+                    loff, roff, is_max, with_arg, pf, lu, lw, uline):
     """One row of :func:`_spmm_maxmin` for the layouts without register tiles (ops other than
     u_mul_e, other broadcasts, heads of other widths): form each message, then fold it in."""
     one = orow.dtype.type(1)
-    # -inf/+inf is the identity of max/min and loses every comparison, so position 0
-    # stays the winner where all messages equal it: no first-edge special case.
-    for f in range(orow.size):
-        orow[f] = start
-    if with_arg:
-        for f in range(orow.size):
-            brow[f] = 0
     for k in range(beg, end):
         if k + pf < pend:
             _prefetch_row(U, indices[k + pf], lu, uline)
             _prefetch_row(W, eids[k + pf], lw, uline)
-        jz[0] = k - beg  # the row position in brow's integer type
+        jz[0] = k  # the CSR position in brow's integer type
         # (calling _take per head block, on sub-ranges or views, measured 3-4x slower than this)
         _message_row(op, mode, inner, U[indices[k]], W[eids[k]], loff, roff, buf)
         _take(is_max, with_arg, orow, brow, buf, one, jz[0], jz[1])
@@ -1456,15 +1492,25 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
                 inner, loff, roff, reduce == "mean", pf)
         arg = None
     else:
-        # Winner positions inside a row fit int32 unless a row has 2^31 in-edges (only possible
-        # when E does); int32 keeps the compare-select loop at the float32 lane count.
+        # the register-tile layouts run in source blocks (see _spmm_maxmin), the others unblocked
+        vlanes = 32 // out.element_size()
+        tile = mode in (M_COPY_U, M_COPY_E) or (mode == M_BLOCK_E and binop == "mul"
+                                                and (inner == lo or inner % vlanes == 0))
+        nblk = 1
+        if tile and mode != M_COPY_E and csr.blocking:
+            nblk = _num_blocks(csr.num_src, csr.num_dst, csr.num_edges, U.shape[1] * U.itemsize,
+                               lo * out.element_size())
+        bptr, bind, beids = _blocked(csr, nblk)
+        # CSR positions fit int32 unless E does not; int32 keeps the compare-select loop at the
+        # float32 lane count
         pos_dtype = np.int32 if csr.num_edges < 2**31 else np.int64
-        best = np.empty((parts.size - 1 if need_arg else 1, lo), dtype=pos_dtype)
+        rows = (csr.num_dst if nblk > 1 else parts.size - 1) if need_arg else 1
+        best = np.empty((rows, lo), dtype=pos_dtype)
         nwords = (lo + 31) // 32
         won = _empty((csr.num_edges if need_arg else 0, nwords), torch.int32)
-        _launch(_spmm_maxmin, parts, indptr, indices, eids, U, W, out.numpy(),
-                won.numpy().view(np.uint32), best, op, mode, inner, loff, roff, reduce == "max",
-                need_arg, pf)
+        _launch(_spmm_maxmin, parts, indptr, bptr, nblk, bind, beids, _block_positions(csr, nblk),
+                U, W, out.numpy(), won.numpy().view(np.uint32), best, op, mode, inner, loff, roff,
+                reduce == "max", need_arg, pf)
         arg = won if need_arg else None
     return out.reshape((csr.num_dst,) + fo), arg
 
@@ -1489,6 +1535,19 @@ def spmm_mul_grads(csr, g, u, e):
     _launch(_spmm_mul_grads, parts, bptr, nblk, bind, beids, G, W, U, gu.numpy(), ge.numpy(),
             _prefetch_distance(row_bytes))
     return gu.reshape(u.shape), ge.reshape(e.shape)
+
+
+def _block_positions(csr, nblk):
+    """For each position of ``csr``'s ``nblk``-block layout, its CSR position (cached on the CSR);
+    empty for one block, where the two are the same."""
+    eids = _arrays(csr)[3]
+    if nblk == 1:
+        return eids[:0]
+    key = ("numba_block_pos", nblk)
+    cache = csr._backend_cache
+    if key not in cache:
+        cache[key] = _block_array(csr, nblk, np.arange(eids.size, dtype=eids.dtype))
+    return cache[key]
 
 
 def _fwd_positions(t, csr, nblk=1):

@@ -1,14 +1,18 @@
 """Register-tile paths of the numba CPU backend across row widths.
 
-The sum/mean g-SpMM gathers copy_u, copy_e and u_mul_e (one weight per edge, or per head of whole
-32-byte vectors) through ``_tile_sum``, whose tile ladder (256/128/64/32 bytes, then a literal tail
-of 4-28 bytes) has a separate code path for every row width modulo 64 elements; the g-SDDMM dot
-products go through ``_dot`` (32-byte chunks, then a scalar tail), and both gradients of
-u_mul_e/sum with one weight per edge through ``_tile_mul_grad``; the max/min g-SpMM of the same
-layouts through ``_tile_maxmin`` (tiles of at most 128 bytes), and its gradient w.r.t. u through
-``_tile_sum`` with each edge's winner bits as a lane mask. These tests sweep the widths that reach
-every rung, in both float dtypes, against the dense or torch reference, unblocked and with source
-blocks forced, on a graph with a hub row (longer than any prefetch distance) and empty rows.
+- The sum/mean g-SpMM gathers copy_u, copy_e and u_mul_e (one weight per edge, or per head of
+  whole 32-byte vectors) through ``_tile_sum``, whose tile ladder (256/128/64/32 bytes, then one
+  tail tile of 4-28 bytes, chosen per row in the intrinsic's IR) has a separate code path for
+  every row width modulo 64 elements.
+- The g-SDDMM dot products go through ``_dot`` (32-byte chunks, then a scalar tail).
+- Both gradients of u_mul_e/sum with one weight per edge go through ``_tile_mul_grad``.
+- The max/min g-SpMM of the same layouts goes through ``_tile_maxmin`` (tiles of at most 128
+  bytes; in source blocks, where a tie goes to the smaller CSR position), and its gradient w.r.t.
+  u through ``_tile_sum`` with each edge's winner bits as a lane mask.
+
+These tests sweep the widths that reach every rung, in both float dtypes, against the dense or
+torch reference, unblocked and with source blocks forced, on a graph with a hub row (longer than
+any prefetch distance) and empty rows.
 """
 
 import pytest
@@ -207,4 +211,5 @@ def test_gspmm_maxmin_tiles_nan_and_inf(dtype):
             want = kernels.gspmm(csr, "copy_u", reduce, u=b, backend="torch")
             torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
             g = torch.ones_like(got)
-            assert torch.equal(torch.autograd.grad(got, a, g)[0], torch.autograd.grad(want, b, g)[0])
+            (ga,), (gb,) = torch.autograd.grad(got, a, g), torch.autograd.grad(want, b, g)
+            assert torch.equal(ga, gb)
