@@ -24,6 +24,7 @@ entries, stay cached; the block count comes from a cost model (_num_blocks).
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import itertools
 import math
@@ -217,6 +218,108 @@ def _ir_lane_bits(builder, f0, lanes):
                                    ir.Constant(vty, list(range(lanes)))))
 
 
+class _IRGather:
+    """The gathered operand of the register-tile intrinsics: edge k's message is the row
+    ``X[ids[k]]``, times ``W[wids[k], f // inner]`` where weighted. Built from the intrinsic's
+    first four arguments (X, ids, W, wids); ``inner`` is an intp value, or None for one weight per
+    edge always applied. :meth:`edges` emits the edge loop, with its prefetches, that every tile
+    intrinsic runs."""
+
+    def __init__(self, context, builder, sig, args, inner=None):
+        self.b = builder
+        self.intp = context.get_value_type(types.intp)
+        self.fty = context.get_data_type(sig.args[0].dtype)
+        self.isz = context.get_abi_sizeof(self.fty)
+        xa, self.ids, wa, self.wids = [context.make_array(sig.args[i])(context, builder, args[i])
+                                       for i in range(4)]
+        self.xbase, self.xs = self.base(xa), self.stride0(xa)
+        self.wbase, self.ws = self.base(wa), self.stride0(wa)
+        if inner is None:
+            self.weighted, self.safe_inner = None, None
+        else:
+            self.weighted = builder.icmp_signed(">", inner, self.intp(0))
+            self.safe_inner = builder.select(self.weighted, inner, self.intp(1))
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        self._pfn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH_NAME)
+
+    def base(self, ary):
+        return self.b.bitcast(ary.data, ir.IntType(8).as_pointer())
+
+    def stride0(self, ary):
+        return cgutils.unpack_tuple(self.b, ary.strides)[0]
+
+    def load_id(self, arr, k):
+        return _ir_load_id(self.b, arr, k, self.intp)
+
+    def vptr(self, base, byte_off, lanes, ty=None):
+        """``base + byte_off`` as a pointer to ``lanes`` items of ``ty`` (default: X's dtype)."""
+        vty = _ir_vec(ty or self.fty, lanes)
+        return self.b.bitcast(self.b.gep(base, [byte_off]), vty.as_pointer())
+
+    def prefetch(self, ptr, write=False):
+        i32 = ir.IntType(32)
+        self.b.call(self._pfn, [ptr, i32(int(write)), i32(3), i32(1)])
+
+    def wcols(self, firsts):
+        """The byte offset in W's row of the weight of each feature in ``firsts``."""
+        b = self.b
+        return [b.mul(b.sdiv(f0, self.safe_inner), self.intp(self.isz)) for f0 in firsts]
+
+    @contextlib.contextmanager
+    def edges(self, beg, end, pf, pend, cbytes, nbytes, with_weight, prefetch=None):
+        """Emit the loop over edges k in beg:end of one tile (the ``nbytes`` of X's rows from byte
+        ``cbytes``). Below ``pend``, it prefetches the tile's bytes of the message ``pf`` edges
+        ahead, the weight too ``with_weight``, and whatever ``prefetch(kp)`` adds. The body gets
+        an :class:`_IREdge` for k."""
+        b, intp = self.b, self.intp
+        with cgutils.for_range_slice(b, beg, end, intp(1), intp=intp) as (k, _):
+            kp = b.add(k, pf)
+            with b.if_then(b.icmp_signed("<", kp, pend), likely=True):
+                row = self._xrow(kp, cbytes)
+                for o in range(0, nbytes, 64):
+                    self.prefetch(b.gep(row, [intp(o)]))
+                if with_weight:
+                    self.prefetch(self._wrow(self.load_id(self.wids, kp)))
+                if prefetch is not None:
+                    prefetch(kp)
+            wid = self.load_id(self.wids, k) if with_weight else None
+            yield _IREdge(self, k, self._xrow(k, cbytes), wid,
+                          self._wrow(wid) if with_weight else None)
+
+    def _xrow(self, k, cbytes):
+        b = self.b
+        return b.gep(self.xbase, [b.add(b.mul(self.load_id(self.ids, k), self.xs), cbytes)])
+
+    def _wrow(self, wid):
+        return self.b.gep(self.wbase, [self.b.mul(wid, self.ws)])
+
+
+class _IREdge:
+    """Edge k inside :meth:`_IRGather.edges`: its message row (from the tile's first byte) and, if
+    weighted, its edge id ``wid`` and weight row."""
+
+    def __init__(self, gather, k, row, wid, wrow):
+        self.g, self.k, self.row, self.wid, self.wrow = gather, k, row, wid, wrow
+
+    def raw(self, o, lanes):
+        """The message's ``lanes`` items at byte ``o`` of the tile, unweighted."""
+        g = self.g
+        return g.b.load(g.vptr(self.row, g.intp(o), lanes), align=g.isz)
+
+    def weight(self, wcol):
+        g = self.g
+        return g.b.load(g.b.bitcast(g.b.gep(self.wrow, [wcol]), g.fty.as_pointer()))
+
+    def message(self, o, lanes, wcol):
+        """:meth:`raw`, times the weight at byte ``wcol`` of W's row if the edge is weighted (the
+        product rounded, as the reference loop does)."""
+        val = self.raw(o, lanes)
+        if self.wrow is None:
+            return val
+        return self.g.b.fmul(val, _ir_splat(self.g.b, self.weight(wcol), lanes))
+
+
 @intrinsic
 def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, M, mids):
     """``out[v, f] += sum over k in beg:end of X[ids[k], f]`` for every f < ``out.shape[1]``:
@@ -244,86 +347,46 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, M, 
     masked = M is not types.none
 
     def codegen(context, builder, sig, args):
-        xty, ity, wty, wity, _, _, _, oty = sig.args[:8]
         intp = context.get_value_type(types.intp)
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fty = context.get_data_type(xty.dtype)
-        isz = context.get_abi_sizeof(fty)
-        xa = context.make_array(xty)(context, builder, args[0])
-        ia = context.make_array(ity)(context, builder, args[1])
-        wa = context.make_array(wty)(context, builder, args[2])
-        wia = context.make_array(wity)(context, builder, args[3])
-        oa = context.make_array(oty)(context, builder, args[7])
+        i32 = ir.IntType(32)
         inner_, beg_, end_, v_, pf_, pend_ = [
             context.cast(builder, args[i], sig.args[i], types.intp) for i in (4, 5, 6, 8, 9, 10)]
+        g = _IRGather(context, builder, sig, args, inner_)
+        isz = g.isz
+        oa = context.make_array(sig.args[7])(context, builder, args[7])
+        obase = builder.gep(g.base(oa), [builder.mul(v_, g.stride0(oa))])
         if masked:
-            ma = context.make_array(sig.args[11])(context, builder, args[11])
-            mia = context.make_array(sig.args[12])(context, builder, args[12])
-            ms = cgutils.unpack_tuple(builder, ma.strides)[0]
-            mbase = builder.bitcast(ma.data, i8p)
-
-        def ptr(base, byte_off, lanes):
-            return builder.bitcast(builder.gep(base, [byte_off]), _ir_vec(fty, lanes).as_pointer())
-
-        def load_id(arr, k):
-            return _ir_load_id(builder, arr, k, intp)
-
-        xs = cgutils.unpack_tuple(builder, xa.strides)[0]
-        xbase = builder.bitcast(xa.data, i8p)
-        os_ = cgutils.unpack_tuple(builder, oa.strides)[0]
-        obase = builder.gep(builder.bitcast(oa.data, i8p), [builder.mul(v_, os_)])
-        pfn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH_NAME)
-        ws = cgutils.unpack_tuple(builder, wa.strides)[0]
-        wbase = builder.bitcast(wa.data, i8p)
-        weighted = builder.icmp_signed(">", inner_, intp(0))
-        safe_inner = builder.select(weighted, inner_, intp(1))
+            ma, mia = [context.make_array(sig.args[i])(context, builder, args[i]) for i in (11, 12)]
+            mbase, ms = g.base(ma), g.stride0(ma)
 
         def tile(c0, nbytes):
             pieces = _ir_pieces(nbytes, isz)
             cbytes = builder.mul(c0, intp(isz))
             orow = builder.gep(obase, [cbytes])
-            accs = []
-            for o, lanes in pieces:
-                a = cgutils.alloca_once(builder, _ir_vec(fty, lanes))
-                builder.store(builder.load(ptr(orow, intp(o), lanes), align=isz), a)
-                accs.append(a)
+            accs = [cgutils.alloca_once_value(
+                builder, builder.load(g.vptr(orow, intp(o), lanes), align=isz))
+                for o, lanes in pieces]
             # per piece, fixed over the edge loop: its weight column (byte offset in W's row) and,
             # masked, its mask word's byte offset and lane bits
             firsts = [builder.add(c0, intp(o // isz)) for o, _ in pieces]
-            wcols = [builder.mul(builder.sdiv(f0, safe_inner), intp(isz)) for f0 in firsts]
+            wcols = g.wcols(firsts)
+            prefetch = None
             if masked:
                 mcols = [builder.mul(builder.ashr(f0, intp(5)), intp(4)) for f0 in firsts]
                 mbits = [_ir_lane_bits(builder, f0, lanes)
                          for f0, (_, lanes) in zip(firsts, pieces)]
 
+                def prefetch(kp):
+                    g.prefetch(builder.gep(mbase, [builder.add(
+                        builder.mul(g.load_id(mia, kp), ms), mcols[0])]))
+
             def edge_loop(with_weight):
-                with cgutils.for_range_slice(builder, beg_, end_, intp(1), intp=intp) as (k, _):
-                    kp = builder.add(k, pf_)
-                    with builder.if_then(builder.icmp_signed("<", kp, pend_), likely=True):
-                        row = builder.gep(xbase,
-                                          [builder.add(builder.mul(load_id(ia, kp), xs), cbytes)])
-                        for o in range(0, nbytes, 64):
-                            builder.call(pfn, [builder.gep(row, [intp(o)]), i32(0), i32(3),
-                                               i32(1)])
-                        if with_weight:
-                            wp = builder.gep(wbase, [builder.mul(load_id(wia, kp), ws)])
-                            builder.call(pfn, [wp, i32(0), i32(3), i32(1)])
-                        if masked:
-                            mp = builder.gep(mbase, [builder.add(builder.mul(load_id(mia, kp), ms),
-                                                                 mcols[0])])
-                            builder.call(pfn, [mp, i32(0), i32(3), i32(1)])
-                    row = builder.gep(xbase, [builder.add(builder.mul(load_id(ia, k), xs), cbytes)])
-                    if with_weight:
-                        wrow = builder.gep(wbase, [builder.mul(load_id(wia, k), ws)])
+                with g.edges(beg_, end_, pf_, pend_, cbytes, nbytes, with_weight,
+                             prefetch) as edge:
                     if masked:
-                        mrow = builder.gep(mbase, [builder.mul(load_id(mia, k), ms)])
+                        mrow = builder.gep(mbase, [builder.mul(g.load_id(mia, edge.k), ms)])
                     for j, ((o, lanes), a) in enumerate(zip(pieces, accs)):
-                        val = builder.load(ptr(row, intp(o), lanes), align=isz)
-                        if with_weight:
-                            w = builder.load(builder.bitcast(builder.gep(wrow, [wcols[j]]),
-                                                             fty.as_pointer()))
-                            val = builder.fmul(val, _ir_splat(builder, w, lanes))
+                        val = edge.message(o, lanes, wcols[j])
                         if masked:
                             word = builder.load(builder.bitcast(builder.gep(mrow, [mcols[j]]),
                                                                 i32.as_pointer()))
@@ -333,13 +396,13 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, M, 
                                 val, ir.Constant(val.type, None))
                         builder.store(builder.fadd(builder.load(a), val), a)
 
-            with builder.if_else(weighted) as (then, otherwise):
+            with builder.if_else(g.weighted) as (then, otherwise):
                 with then:
                     edge_loop(True)
                 with otherwise:
                     edge_loop(False)
             for (o, lanes), a in zip(pieces, accs):
-                builder.store(builder.load(a), ptr(orow, intp(o), lanes), align=isz)
+                builder.store(builder.load(a), g.vptr(orow, intp(o), lanes), align=isz)
 
         # a (row, block) without edges would only load and store the output row
         with builder.if_then(builder.icmp_signed("<", beg_, end_)):
@@ -378,39 +441,20 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
                      with_arg)
 
     def codegen(context, builder, sig, args):
-        xty, ity, wty, wity, _, _, _, oty = sig.args[:8]
-        bty = sig.args[11]
         intp = context.get_value_type(types.intp)
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fty = context.get_data_type(xty.dtype)
-        pty = context.get_data_type(bty.dtype)
-        isz, psz = context.get_abi_sizeof(fty), context.get_abi_sizeof(pty)
-        xa, ia, wa, wia, oa, ba, ka = [context.make_array(sig.args[i])(context, builder, args[i])
-                                       for i in (0, 1, 2, 3, 7, 11, 12)]
         inner_, beg_, end_, v_, pf_, pend_ = [
             context.cast(builder, args[i], sig.args[i], types.intp) for i in (4, 5, 6, 8, 9, 10)]
+        g = _IRGather(context, builder, sig, args, inner_)
+        fty, isz = g.fty, g.isz
+        pty = context.get_data_type(sig.args[11].dtype)
+        psz = context.get_abi_sizeof(pty)
+        oa, ba, ka = [context.make_array(sig.args[i])(context, builder, args[i])
+                      for i in (7, 11, 12)]
         is_max_ = context.cast(builder, args[13], sig.args[13], types.boolean)
         with_arg_ = context.cast(builder, args[14], sig.args[14], types.boolean)
         remap = builder.icmp_signed(">", cgutils.unpack_tuple(builder, ka.shape)[0], intp(0))
-
-        def vptr(base, byte_off, ty, lanes):
-            return builder.bitcast(builder.gep(base, [byte_off]), _ir_vec(ty, lanes).as_pointer())
-
-        def load_id(arr, k):
-            return _ir_load_id(builder, arr, k, intp)
-
-        def stride0(a):
-            return cgutils.unpack_tuple(builder, a.strides)[0]
-
-        xs, ws = stride0(xa), stride0(wa)
-        xbase = builder.bitcast(xa.data, i8p)
-        wbase = builder.bitcast(wa.data, i8p)
-        obase = builder.gep(builder.bitcast(oa.data, i8p), [builder.mul(v_, stride0(oa))])
-        bbase = builder.bitcast(ba.data, i8p)
-        pfn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH_NAME)
-        weighted = builder.icmp_signed(">", inner_, intp(0))
-        safe_inner = builder.select(weighted, inner_, intp(1))
+        obase = builder.gep(g.base(oa), [builder.mul(v_, g.stride0(oa))])
+        bbase = g.base(ba)
         suffix = "f32" if isz == 4 else "f64"
 
         def fold(name, lanes):
@@ -422,40 +466,22 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
         def tile(c0, nbytes):
             pieces = _ir_pieces(nbytes, isz)
             cbytes = builder.mul(c0, intp(isz))
-            firsts = [builder.add(c0, intp(o // isz)) for o, _ in pieces]
-            wcols = [builder.mul(builder.sdiv(f0, safe_inner), intp(isz)) for f0 in firsts]
+            wcols = g.wcols([builder.add(c0, intp(o // isz)) for o, _ in pieces])
             orow = builder.gep(obase, [cbytes])
             brow = builder.gep(bbase, [builder.mul(c0, intp(psz))])
             vals, poss = [], []
             for o, lanes in pieces:
                 vals.append(cgutils.alloca_once_value(
-                    builder, builder.load(vptr(orow, intp(o), fty, lanes), align=isz)))
-                poss.append(cgutils.alloca_once_value(
-                    builder, builder.load(vptr(brow, intp(o // isz * psz), pty, lanes), align=psz)))
+                    builder, builder.load(g.vptr(orow, intp(o), lanes), align=isz)))
+                poss.append(cgutils.alloca_once_value(builder, builder.load(
+                    g.vptr(brow, intp(o // isz * psz), lanes, pty), align=psz)))
 
             def edge_loop(with_weight, maxing):
-                with cgutils.for_range_slice(builder, beg_, end_, intp(1), intp=intp) as (k, _):
-                    kp = builder.add(k, pf_)
-                    with builder.if_then(builder.icmp_signed("<", kp, pend_), likely=True):
-                        row = builder.gep(xbase,
-                                          [builder.add(builder.mul(load_id(ia, kp), xs), cbytes)])
-                        for o in range(0, nbytes, 64):
-                            builder.call(pfn, [builder.gep(row, [intp(o)]), i32(0), i32(3),
-                                               i32(1)])
-                        if with_weight:
-                            wp = builder.gep(wbase, [builder.mul(load_id(wia, kp), ws)])
-                            builder.call(pfn, [wp, i32(0), i32(3), i32(1)])
-                    row = builder.gep(xbase, [builder.add(builder.mul(load_id(ia, k), xs), cbytes)])
-                    if with_weight:
-                        wrow = builder.gep(wbase, [builder.mul(load_id(wia, k), ws)])
-                    pos = builder.select(remap, load_id(ka, k), k)
+                with g.edges(beg_, end_, pf_, pend_, cbytes, nbytes, with_weight) as edge:
+                    pos = builder.select(remap, g.load_id(ka, edge.k), edge.k)
                     j = builder.trunc(pos, pty) if psz < 8 else pos
                     for (o, lanes), a, b, wcol in zip(pieces, vals, poss, wcols):
-                        x = builder.load(vptr(row, intp(o), fty, lanes), align=isz)
-                        if with_weight:
-                            w = builder.load(builder.bitcast(builder.gep(wrow, [wcol]),
-                                                             fty.as_pointer()))
-                            x = builder.fmul(x, _ir_splat(builder, w, lanes))
+                        x = edge.message(o, lanes, wcol)
                         cur = builder.load(a)
                         at = builder.load(b)
                         jv = _ir_splat(builder, j, lanes)
@@ -472,14 +498,15 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
 
             for with_weight, maxing in itertools.product((True, False), repeat=2):
                 cond = builder.and_(
-                    builder.icmp_unsigned("==", weighted, ir.Constant(weighted.type, with_weight)),
+                    builder.icmp_unsigned("==", g.weighted,
+                                          ir.Constant(g.weighted.type, with_weight)),
                     builder.icmp_unsigned("==", is_max_, ir.Constant(is_max_.type, maxing)))
                 with builder.if_then(cond):
                     edge_loop(with_weight, maxing)
             for (o, lanes), a, b in zip(pieces, vals, poss):
-                builder.store(builder.load(a), vptr(orow, intp(o), fty, lanes), align=isz)
+                builder.store(builder.load(a), g.vptr(orow, intp(o), lanes), align=isz)
                 with builder.if_then(with_arg_):
-                    builder.store(builder.load(b), vptr(brow, intp(o // isz * psz), pty, lanes),
+                    builder.store(builder.load(b), g.vptr(brow, intp(o // isz * psz), lanes, pty),
                                   align=psz)
 
         n = cgutils.unpack_tuple(builder, oa.shape)[1]
@@ -635,37 +662,19 @@ def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend)
     sig = types.void(G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend)
 
     def codegen(context, builder, sig, args):
-        gty, ity, wty, wity, uty, _, gety = sig.args[:7]
-        guty = sig.args[9]
         intp = context.get_value_type(types.intp)
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fty = context.get_data_type(gty.dtype)
-        isz = context.get_abi_sizeof(fty)
-        arrays = [context.make_array(t)(context, builder, args[k])
-                  for k, t in ((0, gty), (1, ity), (2, wty), (3, wity), (4, uty), (6, gety),
-                               (9, guty))]
-        ga, ia, wa, wia, ua, gea, gua = arrays
+        g = _IRGather(context, builder, sig, args)
+        isz = g.isz
+        ua, gea, gua = [context.make_array(sig.args[k])(context, builder, args[k])
+                        for k in (4, 6, 9)]
         s_, beg_, end_, pf_, pend_ = [context.cast(builder, args[k], sig.args[k], types.intp)
                                       for k in (5, 7, 8, 10, 11)]
+        gebase, ges = g.base(gea), g.stride0(gea)
+        gubase = builder.gep(g.base(gua), [builder.mul(s_, g.stride0(gua))])
+        ubase = builder.gep(g.base(ua), [builder.mul(s_, g.stride0(ua))])
 
-        def ptr(base, byte_off, lanes):
-            return builder.bitcast(builder.gep(base, [intp(byte_off)]),
-                                   _ir_vec(fty, lanes).as_pointer())
-
-        def stride0(a):
-            return cgutils.unpack_tuple(builder, a.strides)[0]
-
-        def base(a):
-            return builder.bitcast(a.data, i8p)
-
-        def load_id(arr, k):
-            return _ir_load_id(builder, arr, k, intp)
-
-        pfn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH_NAME)
-        gs, ws, ges = stride0(ga), stride0(wa), stride0(gea)
-        gubase = builder.gep(base(gua), [builder.mul(s_, stride0(gua))])
-        ubase = builder.gep(base(ua), [builder.mul(s_, stride0(ua))])
+        def ge_ptr(wid):
+            return builder.gep(gebase, [builder.mul(wid, ges)])
 
         def tile(c0, nbytes):
             pieces = _ir_pieces(nbytes, isz)
@@ -673,33 +682,18 @@ def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend)
             first = builder.icmp_signed("==", c0, intp(0))
             gurow = builder.gep(gubase, [cbytes])
             urow = builder.gep(ubase, [cbytes])
-            accs = []
-            for o, lanes in pieces:
-                a = cgutils.alloca_once(builder, _ir_vec(fty, lanes))
-                builder.store(builder.load(ptr(gurow, o, lanes), align=isz), a)
-                accs.append(a)
-            with cgutils.for_range_slice(builder, beg_, end_, intp(1), intp=intp) as (k, _):
-                kp = builder.add(k, pf_)
-                with builder.if_then(builder.icmp_signed("<", kp, pend_), likely=True):
-                    row = builder.gep(base(ga),
-                                      [builder.add(builder.mul(load_id(ia, kp), gs), cbytes)])
-                    for o in range(0, nbytes, 64):
-                        builder.call(pfn, [builder.gep(row, [intp(o)]), i32(0), i32(3), i32(1)])
-                    wid = load_id(wia, kp)
-                    builder.call(pfn, [builder.gep(base(wa), [builder.mul(wid, ws)]), i32(0),
-                                       i32(3), i32(1)])
-                    builder.call(pfn, [builder.gep(base(gea), [builder.mul(wid, ges)]), i32(1),
-                                       i32(3), i32(1)])
-                row = builder.gep(base(ga), [builder.add(builder.mul(load_id(ia, k), gs), cbytes)])
-                wid = load_id(wia, k)
-                w = builder.load(builder.bitcast(builder.gep(base(wa), [builder.mul(wid, ws)]),
-                                                 fty.as_pointer()))
+            accs = [cgutils.alloca_once_value(
+                builder, builder.load(g.vptr(gurow, intp(o), lanes), align=isz))
+                for o, lanes in pieces]
+            with g.edges(beg_, end_, pf_, pend_, cbytes, nbytes, True,
+                         lambda kp: g.prefetch(ge_ptr(g.load_id(g.wids, kp)), write=True)) as edge:
+                w = edge.weight(intp(0))
                 vsum, dot = None, None
                 for (o, lanes), a in zip(pieces, accs):
-                    val = builder.load(ptr(row, o, lanes), align=isz)
+                    val = edge.raw(o, lanes)
                     wval = builder.fmul(val, _ir_splat(builder, w, lanes))
                     builder.store(builder.fadd(builder.load(a), wval), a)
-                    prod = builder.fmul(val, builder.load(ptr(urow, o, lanes), align=isz))
+                    prod = builder.fmul(val, builder.load(g.vptr(urow, intp(o), lanes), align=isz))
                     if lanes * isz == 32:
                         vsum = prod if vsum is None else builder.fadd(vsum, prod)
                         continue
@@ -709,13 +703,12 @@ def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend)
                     dot = part if dot is None else builder.fadd(dot, part)
                 if vsum is not None:
                     dot = _ir_hsum(builder, vsum, 32 // isz)
-                gep = builder.bitcast(builder.gep(base(gea), [builder.mul(wid, ges)]),
-                                      fty.as_pointer())
+                gep = builder.bitcast(ge_ptr(edge.wid), g.fty.as_pointer())
                 # the row's first tile sets GE (no zeroing pass), later tiles add to it
                 builder.store(builder.select(first, dot, builder.fadd(builder.load(gep), dot)),
                               gep)
             for (o, lanes), a in zip(pieces, accs):
-                builder.store(builder.load(a), ptr(gurow, o, lanes), align=isz)
+                builder.store(builder.load(a), g.vptr(gurow, intp(o), lanes), align=isz)
 
         with builder.if_then(builder.icmp_signed("<", beg_, end_)):
             n = cgutils.unpack_tuple(builder, gua.shape)[1]
@@ -899,7 +892,7 @@ def _take(is_max, with_arg, orow, brow, m, scale, j, z):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _spmm_maxmin(parts, indptr, bptr, nblk, indices, eids, kpos, U, W, out, won, best, op, mode,
-                 inner, loff, roff, is_max, with_arg, pf):
+                 inner, loff, roff, tile, is_max, with_arg, pf):
     """max/min over each destination's in-edges; with ``with_arg`` also which edge won.
 
     Winners are recorded as a bit mask per CSR position, ``won[k, f >> 5]`` bit ``f & 31`` set
@@ -908,8 +901,9 @@ def _spmm_maxmin(parts, indptr, bptr, nblk, indices, eids, kpos, U, W, out, won,
     instead of an arg row. Winning positions are kept as absolute CSR positions in ``best``:
     part p's scratch row ``best[p]`` unblocked, or one row per destination when ``nblk`` > 1.
 
-    copy_u, copy_e and u_mul_e with one weight per edge or per head of whole vectors run in
-    register tiles (:func:`_tile_maxmin`), in ``nblk`` source blocks as :func:`_spmm_sum` (layout
+    With ``tile`` (copy_u, copy_e, and u_mul_e with one weight per edge or per head of whole
+    vectors: see :func:`spmm`), rows run in register tiles (:func:`_tile_maxmin`), in ``nblk``
+    source blocks as :func:`_spmm_sum` (layout
     in ``bptr``, ``indices``, ``eids``; ``kpos`` maps a blocked position to its CSR position, and
     is empty unblocked): each block pass folds into the output row and its winners, and a tie
     goes to the smaller CSR position, so the winner is the same edge in any block order. The
@@ -921,10 +915,6 @@ def _spmm_maxmin(parts, indptr, bptr, nblk, indices, eids, kpos, U, W, out, won,
     uline = max(1, 64 // U.itemsize)
     nd = out.shape[0]
     start = -np.inf if is_max else np.inf
-    # one weight per edge (GCN-style u_mul_e) or per head of whole vectors
-    tile_weighted = (mode == M_BLOCK_E and op == MUL
-                     and (inner == lo or inner % (32 // out.itemsize) == 0))
-    tile = mode == M_COPY_U or mode == M_COPY_E or tile_weighted
     X = W if mode == M_COPY_E else U
     for blk in range(nblk):
         base = blk * nd
@@ -952,8 +942,8 @@ def _spmm_maxmin(parts, indptr, bptr, nblk, indices, eids, kpos, U, W, out, won,
                     continue
                 if tile:
                     _tile_maxmin(X, eids if mode == M_COPY_E else indices, W, eids,
-                                 inner if tile_weighted else 0, beg, end, out, v, pf, pend, brow,
-                                 kpos, is_max, with_arg)
+                                 inner if mode == M_BLOCK_E else 0, beg, end, out, v, pf, pend,
+                                 brow, kpos, is_max, with_arg)
                 else:
                     _maxmin_generic(beg, end, pend, indices, eids, U, W, orow, brow, buf, jz, op,
                                     mode, inner, loff, roff, is_max, with_arg, pf, lu, lw, uline)
@@ -1492,7 +1482,8 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
                 inner, loff, roff, reduce == "mean", pf)
         arg = None
     else:
-        # the register-tile layouts run in source blocks (see _spmm_maxmin), the others unblocked
+        # the register-tile layouts (one weight per edge, as GCN's, or per head of whole
+        # vectors) run in source blocks (see _spmm_maxmin), the others unblocked
         vlanes = 32 // out.element_size()
         tile = mode in (M_COPY_U, M_COPY_E) or (mode == M_BLOCK_E and binop == "mul"
                                                 and (inner == lo or inner % vlanes == 0))
@@ -1510,7 +1501,7 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
         won = _empty((csr.num_edges if need_arg else 0, nwords), torch.int32)
         _launch(_spmm_maxmin, parts, indptr, bptr, nblk, bind, beids, _block_positions(csr, nblk),
                 U, W, out.numpy(), won.numpy().view(np.uint32), best, op, mode, inner, loff, roff,
-                reduce == "max", need_arg, pf)
+                tile, reduce == "max", need_arg, pf)
         arg = won if need_arg else None
     return out.reshape((csr.num_dst,) + fo), arg
 
