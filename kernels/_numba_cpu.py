@@ -565,13 +565,12 @@ def _dot(typingctx, A, i, B, j, n):
 
 @njit(inline="always")
 def _spmm_sum_part(r0, r1, base, first, mean, indptr, bptr, indices, eids, U, W, out, op, mode,
-                   inner, loff, roff, pf, lo, lu, lw, uline):
+                   inner, loff, roff, tile, pf, lo, lu, lw, uline):
     """Rows r0:r1 of one block pass of :func:`_spmm_sum` (zeroing first, dividing by the full
     in-degree for the mean last)."""
     # Source rows are random reads: prefetch the row pf edges ahead, across row
     # boundaries (most rows are short), so several misses are in flight at once.
     pend = bptr[base + r1]
-    vlanes = 32 // out.itemsize
     for v in range(r0, r1):
         beg = bptr[base + v]
         end = bptr[base + v + 1]
@@ -583,9 +582,7 @@ def _spmm_sum_part(r0, r1, base, first, mean, indptr, bptr, indices, eids, U, W,
             _tile_sum(U, indices, W, eids, 0, beg, end, out, v, pf, pend, None, None)
         elif mode == M_COPY_E:
             _tile_sum(W, eids, W, eids, 0, beg, end, out, v, pf, pend, None, None)
-        elif mode == M_BLOCK_E and op == MUL and (inner == lo or inner % vlanes == 0):
-            # one weight per edge (GCN-style u_mul_e) or per head of whole vectors (GAT's
-            # aggregation, u [N, H, F] * e [E, H, 1] with F a multiple of 8 in float32)
+        elif tile:  # u_mul_e with weights the tiles take (see _tile_weights)
             _tile_sum(U, indices, W, eids, inner, beg, end, out, v, pf, pend, None, None)
         elif mode == M_BLOCK_E:
             nb = lo // inner
@@ -625,7 +622,7 @@ def _spmm_sum_part(r0, r1, base, first, mean, indptr, bptr, indices, eids, U, W,
 
 @njit(parallel=True, cache=True, nogil=True)
 def _spmm_sum(parts, indptr, bptr, nblk, indices, eids, U, W, out, op, mode, inner, loff, roff,
-              mean, pf):
+              tile, mean, pf):
     """sum/mean g-SpMM over ``nblk`` source blocks (see :func:`_block_csr`), one after another.
 
     Block b's in-edges of row v sit at positions ``bptr[b * num_dst + v] : bptr[b * num_dst + v
@@ -643,8 +640,8 @@ def _spmm_sum(parts, indptr, bptr, nblk, indices, eids, U, W, out, op, mode, inn
         base = blk * nd
         for p in prange(parts.size - 1):
             _spmm_sum_part(parts[p], parts[p + 1], base, blk == 0, mean and blk == nblk - 1, indptr,
-                           bptr, indices, eids, U, W, out, op, mode, inner, loff, roff, pf, lo,
-                           lu, lw, uline)
+                           bptr, indices, eids, U, W, out, op, mode, inner, loff, roff, tile, pf,
+                           lo, lu, lw, uline)
 
 
 @intrinsic
@@ -1443,6 +1440,14 @@ def _block_inner(fu, fe, fo):
     return None
 
 
+def _tile_weights(inner, lo, itemsize):
+    """Whether u_mul_e weights constant over blocks of ``inner`` features of an ``lo``-wide row
+    suit the register tiles: one weight per edge (GCN's edge weights), or per head of whole
+    32-byte vectors (GAT's aggregation, u [N, H, F] * e [E, H, 1] with F a multiple of 8 in
+    float32), so that no tile piece spans two heads."""
+    return inner == lo or inner % (32 // itemsize) == 0
+
+
 _EMPTY_OFF = np.zeros(1, dtype=np.int64)
 
 
@@ -1472,6 +1477,8 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     out = _empty((csr.num_dst, lo), dtype)
     pf = _prefetch_distance((U.shape[1] if U is not None else 1) * out.element_size())
     op = _CODE[binop]
+    tile = mode in (M_COPY_U, M_COPY_E) or (mode == M_BLOCK_E and binop == "mul" and
+                                            _tile_weights(inner, lo, out.element_size()))
     if reduce in ("sum", "mean"):
         nblk = 1
         if mode != M_COPY_E and csr.blocking:  # copy_e reads no source rows
@@ -1479,14 +1486,10 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
                                lo * out.element_size())
         bptr, bind, beids = _blocked(csr, nblk)
         _launch(_spmm_sum, parts, indptr, bptr, nblk, bind, beids, U, W, out.numpy(), op, mode,
-                inner, loff, roff, reduce == "mean", pf)
+                inner, loff, roff, tile, reduce == "mean", pf)
         arg = None
     else:
-        # the register-tile layouts (one weight per edge, as GCN's, or per head of whole
-        # vectors) run in source blocks (see _spmm_maxmin), the others unblocked
-        vlanes = 32 // out.element_size()
-        tile = mode in (M_COPY_U, M_COPY_E) or (mode == M_BLOCK_E and binop == "mul"
-                                                and (inner == lo or inner % vlanes == 0))
+        # the register-tile layouts run in source blocks (see _spmm_maxmin), the others unblocked
         nblk = 1
         if tile and mode != M_COPY_E and csr.blocking:
             nblk = _num_blocks(csr.num_src, csr.num_dst, csr.num_edges, U.shape[1] * U.itemsize,
@@ -1587,7 +1590,7 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
         inner = 0
         if binop == "mul":
             inner = _block_inner(fu, fe, fo)
-            tile = inner is not None and (inner == G.shape[1] or inner % (32 // G.itemsize) == 0)
+            tile = inner is not None and _tile_weights(inner, G.shape[1], G.itemsize)
         else:
             tile = binop in ("copy_lhs", "add", "sub") and fu == fo
         _launch(_maxmin_grad_u, tparts, tbptr, nblk, tindices, teids, _fwd_positions(t, csr, nblk),
