@@ -429,9 +429,10 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
     if its CSR position is smaller: never, in CSR order, but across source blocks, which visit a
     row's edges out of order, it keeps the smallest edge id the winner. The running values and
     positions stay in registers over the edges, in tiles of at most 128 bytes (values and
-    positions of a 128-byte float32 tile already take 8 of the 16 AVX2 registers). Positions
-    are tracked even without ``with_arg``: a register select per vector costs no measurable time
-    here, and one edge loop per (weighted, max/min) variant halves the compile time.
+    positions of a 128-byte float32 tile already take 8 of the 16 AVX2 registers). Without
+    ``with_arg`` (inference, or no gradient wanted) only the values are kept, in 256-byte tiles,
+    one fold per vector: the same values, since llvm.maximum/minimum is a fold whose result does
+    not depend on the order of the edges.
     """
     if not (isinstance(X, types.Array) and isinstance(out, types.Array)
             and isinstance(B, types.Array) and isinstance(B.dtype, types.Integer)
@@ -505,12 +506,39 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
                     edge_loop(with_weight, maxing)
             for (o, lanes), a, b in zip(pieces, vals, poss):
                 builder.store(builder.load(a), g.vptr(orow, intp(o), lanes), align=isz)
-                with builder.if_then(with_arg_):
-                    builder.store(builder.load(b), g.vptr(brow, intp(o // isz * psz), lanes, pty),
-                                  align=psz)
+                builder.store(builder.load(b), g.vptr(brow, intp(o // isz * psz), lanes, pty),
+                              align=psz)
+
+        def values_tile(c0, nbytes):
+            # without with_arg only the running values: no positions to keep beside them, so the
+            # tiles are as wide as the sum's (8 registers) and each vector costs one fold
+            pieces = _ir_pieces(nbytes, isz)
+            cbytes = builder.mul(c0, intp(isz))
+            wcols = g.wcols([builder.add(c0, intp(o // isz)) for o, _ in pieces])
+            orow = builder.gep(obase, [cbytes])
+            vals = [cgutils.alloca_once_value(
+                builder, builder.load(g.vptr(orow, intp(o), lanes), align=isz))
+                for o, lanes in pieces]
+            for with_weight, maxing in itertools.product((True, False), repeat=2):
+                cond = builder.and_(
+                    builder.icmp_unsigned("==", g.weighted,
+                                          ir.Constant(g.weighted.type, with_weight)),
+                    builder.icmp_unsigned("==", is_max_, ir.Constant(is_max_.type, maxing)))
+                with builder.if_then(cond):
+                    with g.edges(beg_, end_, pf_, pend_, cbytes, nbytes, with_weight) as edge:
+                        for (o, lanes), a, wcol in zip(pieces, vals, wcols):
+                            builder.store(builder.call(
+                                fold("maximum" if maxing else "minimum", lanes),
+                                [builder.load(a), edge.message(o, lanes, wcol)]), a)
+            for (o, lanes), a in zip(pieces, vals):
+                builder.store(builder.load(a), g.vptr(orow, intp(o), lanes), align=isz)
 
         n = cgutils.unpack_tuple(builder, oa.shape)[1]
-        _ir_tiles(builder, intp, isz, n, tile, largest=128)
+        with builder.if_else(with_arg_) as (then, otherwise):
+            with then:
+                _ir_tiles(builder, intp, isz, n, tile, largest=128)
+            with otherwise:
+                _ir_tiles(builder, intp, isz, n, values_tile)
         return context.get_dummy_value()
 
     return sig, codegen

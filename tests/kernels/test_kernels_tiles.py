@@ -192,6 +192,10 @@ def test_gspmm_maxmin_widths_match_torch_exactly(monkeypatch, nblk, dtype, index
                     out_list += [out.detach()] + list(torch.autograd.grad(out, live, g))
                 for a, b in zip(got, want):
                     assert a.shape == b.shape and torch.equal(a, b), (op, fu, fe, reduce)
+                # without a gradient wanted the kernel keeps no winners (values-only tiles)
+                with torch.no_grad():
+                    fast = kernels.gspmm(csr, op, reduce, u=u, e=e, backend="numba")
+                assert torch.equal(fast, want[0]), (op, fu, fe, reduce, "no grad")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -210,6 +214,9 @@ def test_gspmm_maxmin_tiles_nan_and_inf(dtype):
             got = kernels.gspmm(csr, "copy_u", reduce, u=a, backend="numba")
             want = kernels.gspmm(csr, "copy_u", reduce, u=b, backend="torch")
             torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+            with torch.no_grad():
+                fast = kernels.gspmm(csr, "copy_u", reduce, u=u, backend="numba")
+            torch.testing.assert_close(fast, want.detach(), equal_nan=True, rtol=0, atol=0)
             g = torch.ones_like(got)
             (ga,), (gb,) = torch.autograd.grad(got, a, g), torch.autograd.grad(want, b, g)
             assert torch.equal(ga, gb)
