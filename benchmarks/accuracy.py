@@ -42,9 +42,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import torch
-from tqdm.auto import tqdm
+# OpenMP's passive waiting, as `import ngra` before torch would pick (see kernels/__init__.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
