@@ -168,6 +168,22 @@ def _ir_hsum(builder, v, lanes):
     return builder.extract_element(v, i32(0)) if isinstance(v.type, ir.VectorType) else v
 
 
+def _ir_bytes(builder, ary):
+    """An array's data pointer as i8* (for byte offsets)."""
+    return builder.bitcast(ary.data, ir.IntType(8).as_pointer())
+
+
+def _ir_row(builder, ary, r):
+    """i8* to row ``r`` (an intp value) of an array (its first stride)."""
+    return builder.gep(_ir_bytes(builder, ary),
+                       [builder.mul(r, cgutils.unpack_tuple(builder, ary.strides)[0])])
+
+
+def _ir_ptr(builder, base, byte_off, ty):
+    """``base + byte_off`` (i8*, intp value) as a pointer to ``ty``."""
+    return builder.bitcast(builder.gep(base, [byte_off]), ty.as_pointer())
+
+
 def _ir_load_id(builder, arr, k, intp):
     """``arr[k]`` of an int32/int64 index array, as intp."""
     j = builder.load(builder.gep(arr.data, [k]))
@@ -244,7 +260,7 @@ class _IRGather:
             builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH_NAME)
 
     def base(self, ary):
-        return self.b.bitcast(ary.data, ir.IntType(8).as_pointer())
+        return _ir_bytes(self.b, ary)
 
     def stride0(self, ary):
         return cgutils.unpack_tuple(self.b, ary.strides)[0]
@@ -254,8 +270,7 @@ class _IRGather:
 
     def vptr(self, base, byte_off, lanes, ty=None):
         """``base + byte_off`` as a pointer to ``lanes`` items of ``ty`` (default: X's dtype)."""
-        vty = _ir_vec(ty or self.fty, lanes)
-        return self.b.bitcast(self.b.gep(base, [byte_off]), vty.as_pointer())
+        return _ir_ptr(self.b, base, byte_off, _ir_vec(ty or self.fty, lanes))
 
     def prefetch(self, ptr, write=False):
         i32 = ir.IntType(32)
@@ -309,7 +324,7 @@ class _IREdge:
 
     def weight(self, wcol):
         g = self.g
-        return g.b.load(g.b.bitcast(g.b.gep(self.wrow, [wcol]), g.fty.as_pointer()))
+        return g.b.load(_ir_ptr(g.b, self.wrow, wcol, g.fty))
 
     def message(self, o, lanes, wcol):
         """:meth:`raw`, times the weight at byte ``wcol`` of W's row if the edge is weighted (the
@@ -354,7 +369,7 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, M, 
         g = _IRGather(context, builder, sig, args, inner_)
         isz = g.isz
         oa = context.make_array(sig.args[7])(context, builder, args[7])
-        obase = builder.gep(g.base(oa), [builder.mul(v_, g.stride0(oa))])
+        obase = _ir_row(builder, oa, v_)
         if masked:
             ma, mia = [context.make_array(sig.args[i])(context, builder, args[i]) for i in (11, 12)]
             mbase, ms = g.base(ma), g.stride0(ma)
@@ -454,7 +469,7 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
         is_max_ = context.cast(builder, args[13], sig.args[13], types.boolean)
         with_arg_ = context.cast(builder, args[14], sig.args[14], types.boolean)
         remap = builder.icmp_signed(">", cgutils.unpack_tuple(builder, ka.shape)[0], intp(0))
-        obase = builder.gep(g.base(oa), [builder.mul(v_, g.stride0(oa))])
+        obase = _ir_row(builder, oa, v_)
         bbase = g.base(ba)
         suffix = "f32" if isz == 4 else "f64"
 
@@ -563,28 +578,23 @@ def _dot(typingctx, A, i, B, j, n):
         vty = ir.VectorType(fty, lanes)
         i_, j_, n_ = [context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 3, 4)]
 
-        def row(ty, val, r):
-            ary = context.make_array(ty)(context, builder, val)
-            stride = cgutils.unpack_tuple(builder, ary.strides)[0]
-            return builder.gep(builder.bitcast(ary.data, ir.IntType(8).as_pointer()),
-                               [builder.mul(r, stride)])
-
-        pa, pb = row(aty, args[0], i_), row(bty, args[2], j_)
+        pa = _ir_row(builder, context.make_array(aty)(context, builder, args[0]), i_)
+        pb = _ir_row(builder, context.make_array(bty)(context, builder, args[2]), j_)
         nvec = builder.sdiv(n_, intp(lanes))
         acc = cgutils.alloca_once(builder, vty)
         builder.store(ir.Constant(vty, None), acc)
         with cgutils.for_range(builder, nvec, intp=intp) as loop:
             off = builder.mul(loop.index, intp(32))
-            va = builder.load(builder.bitcast(builder.gep(pa, [off]), vty.as_pointer()), align=isz)
-            vb = builder.load(builder.bitcast(builder.gep(pb, [off]), vty.as_pointer()), align=isz)
+            va = builder.load(_ir_ptr(builder, pa, off, vty), align=isz)
+            vb = builder.load(_ir_ptr(builder, pb, off, vty), align=isz)
             builder.store(builder.fadd(builder.load(acc), builder.fmul(va, vb)), acc)
         total = cgutils.alloca_once(builder, fty)
         builder.store(_ir_hsum(builder, builder.load(acc), lanes), total)
         start = builder.mul(nvec, intp(lanes))
         with cgutils.for_range_slice(builder, start, n_, intp(1), intp=intp) as (k, _):
             off = builder.mul(k, intp(isz))
-            a = builder.load(builder.bitcast(builder.gep(pa, [off]), fty.as_pointer()))
-            b = builder.load(builder.bitcast(builder.gep(pb, [off]), fty.as_pointer()))
+            a = builder.load(_ir_ptr(builder, pa, off, fty))
+            b = builder.load(_ir_ptr(builder, pb, off, fty))
             builder.store(builder.fadd(builder.load(total), builder.fmul(a, b)), total)
         return builder.load(total)
 
@@ -695,8 +705,8 @@ def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend)
         s_, beg_, end_, pf_, pend_ = [context.cast(builder, args[k], sig.args[k], types.intp)
                                       for k in (5, 7, 8, 10, 11)]
         gebase, ges = g.base(gea), g.stride0(gea)
-        gubase = builder.gep(g.base(gua), [builder.mul(s_, g.stride0(gua))])
-        ubase = builder.gep(g.base(ua), [builder.mul(s_, g.stride0(ua))])
+        gubase = _ir_row(builder, gua, s_)
+        ubase = _ir_row(builder, ua, s_)
 
         def ge_ptr(wid):
             return builder.gep(gebase, [builder.mul(wid, ges)])
