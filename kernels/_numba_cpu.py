@@ -1436,16 +1436,22 @@ except (OSError, AttributeError):  # not Linux / no madvise: outputs are plain a
     _madvise = None
 
 
-def _empty(shape, dtype):
-    """torch.empty for kernel outputs, backed by transparent huge pages where the OS offers them.
+# Whether kernel outputs ask for transparent huge pages (off). A fresh large output is mapped on
+# first touch, one 4 KiB page fault at a time: a [200K, 256] float32 output took 250 ms that way
+# and ~50 ms with 2 MiB pages (THP in "madvise" mode). But on this project's machine (a VM) the
+# huge-page outputs made later work slower: a gather from the tensor allocated right after such
+# an output (autograd's output gradient) took a median 1388 ms instead of 602 (R-MAT scale 21,
+# F = 64, 12 alternating rounds), and a 2-layer forward + backward on that graph took a median
+# 4391 ms instead of 3360 (6 rounds). With them, single calls' best times were 14-25% better
+# (uniform F = 256, R-MAT F = 16), and the uniform 200K graph's 2-layer step 7% in the median.
+_HUGE_OUTPUTS = False
 
-    A fresh large tensor is mapped on first touch, one 4 KiB page fault at a time: for a
-    [200K, 256] float32 output that took 250 ms, about a fifth of the g-SpMM itself, against
-    ~50 ms with 2 MiB pages (measured here, THP in "madvise" mode). The advice covers the
-    2 MiB-aligned part of the buffer and is only a hint: a kernel that refuses it changes nothing.
-    """
+
+def _empty(shape, dtype):
+    """torch.empty for kernel outputs, with the huge-page advice if _HUGE_OUTPUTS. The advice
+    covers the 2 MiB-aligned part of the buffer and is only a hint."""
     t = torch.empty(shape, dtype=dtype)
-    if _madvise is not None and t.nbytes >= 2 * _HUGE:
+    if _HUGE_OUTPUTS and _madvise is not None and t.nbytes >= 2 * _HUGE:
         lo = (t.data_ptr() + _HUGE - 1) & ~(_HUGE - 1)
         hi = (t.data_ptr() + t.nbytes) & ~(_HUGE - 1)
         if hi > lo:
