@@ -479,36 +479,42 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
             return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty, vty]),
                                                   f"llvm.{name}.{vname}")
 
-        def tile(c0, nbytes):
+        def tile(c0, nbytes, track):
+            # with ``track`` (with_arg) the winning positions ride beside the values; without,
+            # only the values, in tiles as wide as the sum's (8 registers), one fold per vector
             pieces = _ir_pieces(nbytes, isz)
             cbytes = builder.mul(c0, intp(isz))
             wcols = g.wcols([builder.add(c0, intp(o // isz)) for o, _ in pieces])
             orow = builder.gep(obase, [cbytes])
-            brow = builder.gep(bbase, [builder.mul(c0, intp(psz))])
-            vals, poss = [], []
-            for o, lanes in pieces:
-                vals.append(cgutils.alloca_once_value(
-                    builder, builder.load(g.vptr(orow, intp(o), lanes), align=isz)))
-                poss.append(cgutils.alloca_once_value(builder, builder.load(
-                    g.vptr(brow, intp(o // isz * psz), lanes, pty), align=psz)))
+            vals = [cgutils.alloca_once_value(
+                builder, builder.load(g.vptr(orow, intp(o), lanes), align=isz))
+                for o, lanes in pieces]
+            if track:
+                brow = builder.gep(bbase, [builder.mul(c0, intp(psz))])
+                poss = [cgutils.alloca_once_value(builder, builder.load(
+                    g.vptr(brow, intp(o // isz * psz), lanes, pty), align=psz))
+                    for o, lanes in pieces]
 
             def edge_loop(with_weight, maxing):
                 with g.edges(beg_, end_, pf_, pend_, cbytes, nbytes, with_weight) as edge:
-                    pos = builder.select(remap, g.load_id(ka, edge.k), edge.k)
-                    j = builder.trunc(pos, pty) if psz < 8 else pos
-                    for (o, lanes), a, b, wcol in zip(pieces, vals, poss, wcols):
+                    if track:
+                        pos = builder.select(remap, g.load_id(ka, edge.k), edge.k)
+                        j = builder.trunc(pos, pty) if psz < 8 else pos
+                    for i, ((o, lanes), a, wcol) in enumerate(zip(pieces, vals, wcols)):
                         x = edge.message(o, lanes, wcol)
                         cur = builder.load(a)
-                        at = builder.load(b)
-                        jv = _ir_splat(builder, j, lanes)
-                        beats = builder.and_(
-                            builder.fcmp_unordered(">" if maxing else "<", x, cur),
-                            builder.fcmp_ordered("==", cur, cur))
-                        same = builder.or_(builder.fcmp_ordered("==", x, cur), builder.and_(
-                            builder.fcmp_unordered("uno", x, x),
-                            builder.fcmp_unordered("uno", cur, cur)))
-                        earlier = builder.and_(same, builder.icmp_signed("<", jv, at))
-                        builder.store(builder.select(builder.or_(beats, earlier), jv, at), b)
+                        if track:
+                            at = builder.load(poss[i])
+                            jv = _ir_splat(builder, j, lanes)
+                            beats = builder.and_(
+                                builder.fcmp_unordered(">" if maxing else "<", x, cur),
+                                builder.fcmp_ordered("==", cur, cur))
+                            same = builder.or_(builder.fcmp_ordered("==", x, cur), builder.and_(
+                                builder.fcmp_unordered("uno", x, x),
+                                builder.fcmp_unordered("uno", cur, cur)))
+                            earlier = builder.and_(same, builder.icmp_signed("<", jv, at))
+                            builder.store(builder.select(builder.or_(beats, earlier), jv, at),
+                                          poss[i])
                         builder.store(builder.call(fold("maximum" if maxing else "minimum",
                                                         lanes), [cur, x]), a)
 
@@ -519,41 +525,18 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
                     builder.icmp_unsigned("==", is_max_, ir.Constant(is_max_.type, maxing)))
                 with builder.if_then(cond):
                     edge_loop(with_weight, maxing)
-            for (o, lanes), a, b in zip(pieces, vals, poss):
-                builder.store(builder.load(a), g.vptr(orow, intp(o), lanes), align=isz)
-                builder.store(builder.load(b), g.vptr(brow, intp(o // isz * psz), lanes, pty),
-                              align=psz)
-
-        def values_tile(c0, nbytes):
-            # without with_arg only the running values: no positions to keep beside them, so the
-            # tiles are as wide as the sum's (8 registers) and each vector costs one fold
-            pieces = _ir_pieces(nbytes, isz)
-            cbytes = builder.mul(c0, intp(isz))
-            wcols = g.wcols([builder.add(c0, intp(o // isz)) for o, _ in pieces])
-            orow = builder.gep(obase, [cbytes])
-            vals = [cgutils.alloca_once_value(
-                builder, builder.load(g.vptr(orow, intp(o), lanes), align=isz))
-                for o, lanes in pieces]
-            for with_weight, maxing in itertools.product((True, False), repeat=2):
-                cond = builder.and_(
-                    builder.icmp_unsigned("==", g.weighted,
-                                          ir.Constant(g.weighted.type, with_weight)),
-                    builder.icmp_unsigned("==", is_max_, ir.Constant(is_max_.type, maxing)))
-                with builder.if_then(cond):
-                    with g.edges(beg_, end_, pf_, pend_, cbytes, nbytes, with_weight) as edge:
-                        for (o, lanes), a, wcol in zip(pieces, vals, wcols):
-                            builder.store(builder.call(
-                                fold("maximum" if maxing else "minimum", lanes),
-                                [builder.load(a), edge.message(o, lanes, wcol)]), a)
-            for (o, lanes), a in zip(pieces, vals):
-                builder.store(builder.load(a), g.vptr(orow, intp(o), lanes), align=isz)
+            for i, (o, lanes) in enumerate(pieces):
+                builder.store(builder.load(vals[i]), g.vptr(orow, intp(o), lanes), align=isz)
+                if track:
+                    builder.store(builder.load(poss[i]),
+                                  g.vptr(brow, intp(o // isz * psz), lanes, pty), align=psz)
 
         n = cgutils.unpack_tuple(builder, oa.shape)[1]
         with builder.if_else(with_arg_) as (then, otherwise):
             with then:
-                _ir_tiles(builder, intp, isz, n, tile, largest=128)
+                _ir_tiles(builder, intp, isz, n, lambda c0, nb: tile(c0, nb, True), largest=128)
             with otherwise:
-                _ir_tiles(builder, intp, isz, n, values_tile)
+                _ir_tiles(builder, intp, isz, n, lambda c0, nb: tile(c0, nb, False))
         return context.get_dummy_value()
 
     return sig, codegen
