@@ -26,6 +26,11 @@ class SAGEConv(Conv):
     [in_channels, in_channels] (the pooled width equals the input width, as in PyG).
     With ``normalize=True`` the output rows are scaled to unit L2 norm.
 
+    With ``aggr="mean"`` and ``out_channels < in_channels``, ``W_l`` is applied before the
+    aggregation, ``mean_j (W_l x_j)``, the same value, so the g-SpMM moves ``out_channels``-wide
+    rows instead of ``in_channels``-wide ones (as DGL's SAGEConv does); the projection is written
+    on ``e.src`` and lifted to the vertices like the pool's.
+
     Matches ``torch_geometric.nn.SAGEConv(aggr="mean")`` and
     ``SAGEConv(aggr="max", project=True)`` (PyG's ``lin`` = ``W_pool``, ``lin_l`` = ``W_l``,
     ``lin_r`` = ``W_r``). For the pool variant, ``relu(W_pool x_j + b_pool)`` is written in
@@ -59,10 +64,21 @@ class SAGEConv(Conv):
         return [str(self.in_channels), str(self.out_channels), f"aggr={self.aggr!r}",
                 f"bias={self.lin_l.bias is not None}", f"normalize={self.normalize}"]
 
+    @property
+    def _project_first(self) -> bool:
+        """W_l before the mean (narrower messages); the max needs W_l after it."""
+        return self.lin is None and self.out_channels < self.in_channels
+
     def apply_edge(self, e):
         x = e.src["h"]
-        return F.relu(self.lin(x)) if self.lin is not None else x
+        if self.lin is not None:
+            return F.relu(self.lin(x))
+        return F.linear(x, self.lin_l.weight) if self._project_first else x
 
     def apply_vertex(self, v, acc):
-        out = self.lin_l(acc) + self.lin_r(v.data["h"])
+        if self._project_first:
+            left = acc + self.lin_l.bias if self.lin_l.bias is not None else acc
+        else:
+            left = self.lin_l(acc)
+        out = left + self.lin_r(v.data["h"])
         return F.normalize(out, p=2.0, dim=-1) if self.normalize else out

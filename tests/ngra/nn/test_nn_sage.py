@@ -13,11 +13,11 @@ MAX_MAP = {**MEAN_MAP, "lin.weight": "lin.weight", "lin.bias": "lin.bias"}
 
 
 @functools.lru_cache(maxsize=None)  # one pair per configuration: compiled once, reused
-def _pair(aggr, dtype, normalize=False):
+def _pair(aggr, dtype, normalize=False, channels=(5, 3)):
     from torch_geometric.nn import SAGEConv as PygSAGE
     torch.manual_seed(0)
-    theirs = PygSAGE(5, 3, aggr=aggr, project=aggr == "max", normalize=normalize).to(dtype)
-    ours = SAGEConv(5, 3, aggr=aggr, normalize=normalize).to(dtype)
+    theirs = PygSAGE(*channels, aggr=aggr, project=aggr == "max", normalize=normalize).to(dtype)
+    ours = SAGEConv(*channels, aggr=aggr, normalize=normalize).to(dtype)
     mapping = MAX_MAP if aggr == "max" else MEAN_MAP
     copy_weights(ours, theirs, mapping)
     return ours, theirs, mapping
@@ -36,6 +36,26 @@ def test_matches_pyg(graph, dtype, aggr):
 
 
 @pytest.mark.pyg
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("channels", [(5, 3), (3, 5), (4, 4)])
+def test_mean_matches_pyg_either_order(channels, bias):
+    """W_l before the mean (out < in) or after it (out >= in): the same layer as PyG's."""
+    pytest.importorskip("torch_geometric")
+    from torch_geometric.nn import SAGEConv as PygSAGE
+    g = make_graph("random")
+    torch.manual_seed(0)
+    theirs = PygSAGE(*channels, bias=bias).double()
+    ours = SAGEConv(*channels, bias=bias).double()
+    mapping = MEAN_MAP if bias else {k: v for k, v in MEAN_MAP.items() if k != "lin_l.bias"}
+    copy_weights(ours, theirs, mapping)
+    x = torch.randn(g.num_nodes, channels[0], generator=torch.Generator().manual_seed(1),
+                    dtype=torch.float64)
+    ei = g.edge_index
+    assert_parity(ours, theirs, lambda x: ours(g, x), lambda x: theirs(x, ei), {"x": x}, mapping,
+                  torch.float64)
+
+
+@pytest.mark.pyg
 @pytest.mark.parametrize("aggr", ["mean", "max"])
 def test_normalize_matches_pyg(aggr):
     pytest.importorskip("torch_geometric")
@@ -48,11 +68,11 @@ def test_normalize_matches_pyg(aggr):
 
 
 @pytest.mark.parametrize("graph", FUSE_GRAPHS)
-@pytest.mark.parametrize("aggr", ["mean", "max"])
-def test_fused_matches_unfused(graph, aggr):
+@pytest.mark.parametrize("aggr, channels", [("mean", (4, 3)), ("mean", (3, 4)), ("max", (4, 3))])
+def test_fused_matches_unfused(graph, aggr, channels):
     g = make_graph(graph)
-    layer = SAGEConv(4, 3, aggr=aggr)
-    assert_fused_matches_unfused(layer, *layer.prepare(g, torch.randn(g.num_nodes, 4)))
+    layer = SAGEConv(*channels, aggr=aggr)
+    assert_fused_matches_unfused(layer, *layer.prepare(g, torch.randn(g.num_nodes, channels[0])))
 
 
 def test_pool_projection_is_lifted():
@@ -69,11 +89,20 @@ def test_pool_projection_is_lifted():
     assert "%lin: edge[E, 6] f32 = lin(%h_src)" in str(prog.raw_ir)
 
 
-def test_mean_is_one_gspmm():
+def test_mean_is_one_gspmm_at_the_narrower_width():
+    """out < in: W_l x runs per vertex and the mean moves 2-wide rows; out > in: the mean moves
+    the 2-wide input and W_l follows it."""
     g = make_graph("random")
     layer = SAGEConv(6, 2)
     prog = ngra.compile(layer, *layer.prepare(g, torch.randn(g.num_nodes, 6)))
-    assert "%acc: vertex[N, 6] f32 = gspmm[copy_u, mean](%h)" in str(prog.ir)
+    text = str(prog.ir)
+    assert "%linear: vertex[N, 2] f32 = torch.linear(%h, %lin_l_weight)" in text
+    assert "%acc: vertex[N, 2] f32 = gspmm[copy_u, mean](%linear)" in text
+    assert prog.ir.ops().count("gspmm") == 1
+    assert not [n for n in prog.ir.nodes if n.domain == "edge"]
+    layer = SAGEConv(2, 6)
+    prog = ngra.compile(layer, *layer.prepare(g, torch.randn(g.num_nodes, 2)))
+    assert "%acc: vertex[N, 2] f32 = gspmm[copy_u, mean](%h)" in str(prog.ir)
     assert prog.ir.ops().count("gspmm") == 1
 
 
