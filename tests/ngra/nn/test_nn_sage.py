@@ -13,11 +13,11 @@ MAX_MAP = {**MEAN_MAP, "lin.weight": "lin.weight", "lin.bias": "lin.bias"}
 
 
 @functools.lru_cache(maxsize=None)  # one pair per configuration: compiled once, reused
-def _pair(aggr, dtype, normalize=False, channels=(5, 3)):
+def _pair(aggr, dtype, normalize=False):
     from torch_geometric.nn import SAGEConv as PygSAGE
     torch.manual_seed(0)
-    theirs = PygSAGE(*channels, aggr=aggr, project=aggr == "max", normalize=normalize).to(dtype)
-    ours = SAGEConv(*channels, aggr=aggr, normalize=normalize).to(dtype)
+    theirs = PygSAGE(5, 3, aggr=aggr, project=aggr == "max", normalize=normalize).to(dtype)
+    ours = SAGEConv(5, 3, aggr=aggr, normalize=normalize).to(dtype)
     mapping = MAX_MAP if aggr == "max" else MEAN_MAP
     copy_weights(ours, theirs, mapping)
     return ours, theirs, mapping
