@@ -113,7 +113,8 @@ def main():
         rss = max(run["maxrss_mib"] for run in runs)
         print(f"{s:18} {cols[0]:>20} {cols[1]:>20} {cols[2]:>20} {faults:12.0f} {rss:6.0f} MiB")
     print("\nmedian ms, freed memory kept / glibc default: " + ", ".join(
-        f"{k} {v['freed memory kept'] / v['glibc default']:.2f}" for k, v in rows.items()))
+        f"{k} {v['freed memory kept'] / v['glibc default']:.2f}" if v["glibc default"] > 0
+        else f"{k} n/a" for k, v in rows.items()))
 
 
 if __name__ == "__main__":

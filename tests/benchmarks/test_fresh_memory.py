@@ -17,8 +17,11 @@ def test_fresh_memory_tiny():
     assert res.returncode == 0, res.stderr[-2000:]
     for setting in ("glibc default", "freed memory kept"):
         row = next(line for line in res.stdout.splitlines() if line.startswith(setting))
-        medians = [float(x) for x in re.findall(r"(\d+\.\d+) \(best", row)]
-        assert len(medians) == 3 and all(m > 0 for m in medians), row
+        # three "median (best ...)" columns, then faults per call and peak RSS; a tiny graph's
+        # fills can round to 0.0 ms
+        medians = [float(x) for x in re.findall(r"(\d+\.\d+) \(best +\d+\.\d+\)", row)]
+        assert len(medians) == 3, row
+        assert re.search(r"\) +\d+ +\d+ MiB$", row), row
     assert re.search(r"gspmm \d+\.\d\d$", res.stdout.strip()), res.stdout[-500:]
 
 
