@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import itertools
 import math
 import os
@@ -1506,37 +1505,15 @@ def _arrays(csr):
     return cache[key]
 
 
-_HUGE = 2 << 20
-_MADV_HUGEPAGE = 14
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _madvise = _libc.madvise
-    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-except (OSError, AttributeError):  # not Linux / no madvise: outputs are plain allocations
-    _madvise = None
-
-
-# Whether kernel outputs ask for transparent huge pages (off). A fresh large output is mapped on
-# first touch, one 4 KiB page fault at a time: a [200K, 256] float32 output took 250 ms that way
-# and ~50 ms with 2 MiB pages (THP in "madvise" mode). But on this project's machine (a VM) the
-# huge-page outputs made later work slower: a gather from the tensor allocated right after such
-# an output (autograd's output gradient) took a median 1388 ms instead of 602 (R-MAT scale 21,
-# F = 64, 12 alternating rounds), and a 2-layer forward + backward on that graph took a median
-# 4391 ms instead of 3360 (6 rounds). With them, single calls' best times were 14-25% better
-# (uniform F = 256, R-MAT F = 16), and the uniform 200K graph's 2-layer step 7% in the median.
-_HUGE_OUTPUTS = False
-
-
-def _empty(shape, dtype):
-    """torch.empty for kernel outputs, with the huge-page advice if _HUGE_OUTPUTS. The advice
-    covers the 2 MiB-aligned part of the buffer and is only a hint."""
-    t = torch.empty(shape, dtype=dtype)
-    if _HUGE_OUTPUTS and _madvise is not None and t.nbytes >= 2 * _HUGE:
-        lo = (t.data_ptr() + _HUGE - 1) & ~(_HUGE - 1)
-        hi = (t.data_ptr() + t.nbytes) & ~(_HUGE - 1)
-        if hi > lo:
-            _madvise(lo, hi - lo, _MADV_HUGEPAGE)
-    return t
+# Kernel outputs are plain torch.empty tensors. A fresh large output is mapped on first touch,
+# one 4 KiB page fault at a time: a [200K, 256] float32 output took 250 ms that way and ~50 ms
+# when madvise asked for 2 MiB pages (THP in "madvise" mode), and until 0aeaa7b outputs did
+# ask. But on this project's machine (a VM) the huge-page outputs made later work slower: a
+# gather from the tensor allocated right after such an output (autograd's output gradient) took
+# a median 1388 ms instead of 602 (R-MAT scale 21, F = 64, 12 alternating rounds), and a 2-layer
+# forward + backward on that graph a median 4391 ms instead of 3360 (6 rounds); single calls'
+# best times were 14-25% better with them (uniform F = 256, R-MAT F = 16). See also
+# benchmarks/fresh_memory.py for what the page faults cost.
 
 
 def _flat(x, rows):
@@ -1598,7 +1575,7 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
         else:
             mode, inner = M_GENERIC, 1
             loff, roff, _ = bcast_offsets(binop, fu, fe, fo)
-    out = _empty((csr.num_dst, lo), dtype)
+    out = torch.empty((csr.num_dst, lo), dtype=dtype)
     pf = _prefetch_distance((U.shape[1] if U is not None else 1) * out.element_size())
     op = _CODE[binop]
     tile = mode in (M_COPY_U, M_COPY_E) or (mode == M_BLOCK_E and binop == "mul" and
@@ -1625,7 +1602,7 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
         rows = (csr.num_dst if nblk > 1 else parts.size - 1) if need_arg else 1
         best = np.empty((rows, lo), dtype=pos_dtype)
         nwords = (lo + 31) // 32
-        won = _empty((csr.num_edges if need_arg else 0, nwords), torch.int32)
+        won = torch.empty((csr.num_edges if need_arg else 0, nwords), dtype=torch.int32)
         _launch(_spmm_maxmin, parts, indptr, bptr, nblk, bind, beids, _block_positions(csr, nblk),
                 U, W, out.numpy(), won.numpy().view(np.uint32), best, op, mode, inner, loff, roff,
                 tile, reduce == "max", need_arg, pf)
@@ -1648,8 +1625,8 @@ def spmm_mul_grads(csr, g, u, e):
     if t.blocking:
         nblk = _num_blocks(t.num_src, t.num_dst, t.num_edges, row_bytes, row_bytes)
     bptr, bind, beids = _blocked(t, nblk)
-    gu = _empty((csr.num_src, lo), g.dtype)
-    ge = _empty((csr.num_edges, 1), g.dtype)
+    gu = torch.empty((csr.num_src, lo), dtype=g.dtype)
+    ge = torch.empty((csr.num_edges, 1), dtype=g.dtype)
     _launch(_spmm_mul_grads, parts, bptr, nblk, bind, beids, G, W, U, gu.numpy(), ge.numpy(),
             _prefetch_distance(row_bytes))
     return gu.reshape(u.shape), ge.reshape(e.shape)
@@ -1710,7 +1687,7 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
                            G.shape[1] * G.itemsize + won.shape[1] * won.itemsize,
                            math.prod(fu) * g.element_size()) if t.blocking else 1
         tbptr, tindices, teids = _blocked(t, nblk)
-        gu = _empty((csr.num_src, math.prod(fu)), g.dtype)
+        gu = torch.empty((csr.num_src, math.prod(fu)), dtype=g.dtype)
         inner = 0
         if binop == "mul":
             inner = _block_inner(fu, fe, fo)
@@ -1723,7 +1700,7 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
         gu = gu.reshape((csr.num_src,) + fu)
     if need_rhs:
         parts, indptr, indices, eids = _arrays(csr)
-        ge = _empty((csr.num_edges, math.prod(fe)), g.dtype).zero_()
+        ge = torch.zeros((csr.num_edges, math.prod(fe)), dtype=g.dtype)
         _launch(_maxmin_grad_e, parts, indptr, indices, eids, won, G, U, W, ge.numpy(), op, loff,
                 roff, _prefetch_distance(U.shape[1] * U.itemsize))
         ge = ge.reshape((csr.num_edges,) + fe)
@@ -1757,7 +1734,7 @@ def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
         else:
             mode = S_GENERIC
             loff, roff, _ = bcast_offsets(binop, fl, fr, fo)
-    out = _empty((csr.num_edges, math.prod(fo)), lhs.dtype)
+    out = torch.empty((csr.num_edges, math.prod(fo)), dtype=lhs.dtype)
     if binop == "dot" and red == 0:  # dot over an empty dim
         return out.zero_().reshape((csr.num_edges,) + fo)
     nblk = 1
@@ -1789,7 +1766,7 @@ def edge_softmax(csr, scores):
     _check_dtype(scores)
     parts, indptr, _, eids = _arrays(csr)
     S = _flat(scores, csr.num_edges)
-    y = _empty(scores.shape, scores.dtype)
+    y = torch.empty(scores.shape, dtype=scores.dtype)
     recompute = S.shape[1] == 1
     dst = _edge_dsts(csr) if recompute else eids[:0]
     stats = np.empty((2, csr.num_dst, S.shape[1]), dtype=S.dtype)
@@ -1801,7 +1778,7 @@ def edge_softmax(csr, scores):
 def edge_softmax_backward(csr, y, grad_y):
     _check_dtype(y, grad_y)
     parts, indptr, _, eids = _arrays(csr)
-    gs = _empty(y.shape, y.dtype)
+    gs = torch.empty(y.shape, dtype=y.dtype)
     _launch(_edge_softmax_backward, parts, indptr, eids, _edge_dsts(csr), _flat(y, csr.num_edges),
             _flat(grad_y, csr.num_edges), _flat(gs, csr.num_edges),
             _prefetch_distance(math.prod(y.shape[1:]) * y.element_size()))
