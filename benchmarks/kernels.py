@@ -5,12 +5,17 @@ For each graph (uniform random and R-MAT, saved as .npy so that DGL's separate e
 the very same edges) and feature size F, every method is timed best-of-N, forward and backward
 separately. The methods take turns within each round (DGL too: a worker process in .venv-dgl
 times one call per command), so that all of them see the same spells of load on a shared
-machine. The script runs as ngra's users are told to (see the README): with OpenMP's passive
-waiting (OMP_WAIT_POLICY=PASSIVE unless the environment says otherwise; the DGL worker inherits
-it), so that torch's idle threads do not spin on the cores numba's threads need. For the g-SpMM
-forward, "ngra-numba after torch op" times ngra's call again right after a small parallel torch
-op, as in a model where it follows a dense layer: what handing the cores over from torch's pool
-costs. The machine's copy bandwidth is measured the same way: a 256 MiB tensor copy takes its
+machine. Where DGL's tensors do not fit in memory beside the baselines that materialize per-edge
+messages (index_add_, PyG, torch-scatter; on the largest graph), those run first in rounds of
+their own and DGL takes its turns with ngra and torch.sparse.mm; the table marks any method not
+timed in ngra's rounds. Every method's result is checked against ngra's (the "check" column:
+max |difference| / max |ngra| on 256 evenly spaced rows of the forward output, or in backward
+of the first input's gradient). The script runs as ngra's users are told to (see the README):
+with OpenMP's passive waiting (OMP_WAIT_POLICY=PASSIVE unless the environment says otherwise;
+the DGL worker inherits it), so that torch's idle threads do not spin on the cores numba's
+threads need. For the g-SpMM forward, "ngra-numba after torch op" times ngra's call again right
+after a small parallel torch op, as in a model where it follows a dense layer: what handing the
+cores over from torch's pool costs. The machine's copy bandwidth is measured the same way: a 256 MiB tensor copy takes its
 turn in the rounds of every forward case, and each forward kernel reports the fraction of that
 bandwidth it reaches under the fused traffic model:
 
@@ -22,7 +27,8 @@ bandwidth it reaches under the fused traffic model:
     edge_softmax   E * (index + 2 * H * itemsize)  (scores read once, results written once)
 
 Outputs: a table on stdout, ``kernels.csv`` and ``kernels.png`` in ``--out`` (default
-results/kernels/). Sizes: ``--quick`` (small, a couple of minutes), default (the anchor
+results/kernels/). Sizes: ``--tiny`` (a smoke test of the script: seconds, numbers
+meaningless), ``--quick`` (small, a couple of minutes), default (the anchor
 200K-vertex / 3M-edge uniform graph and an R-MAT graph of similar size), ``--full`` (adds R-MAT
 scale 21: 2.1M vertices, 33.5M edges). A timed run whose estimated memory (what the process
 holds plus the run's tensors) exceeds ``--mem-gib`` (default 10 GiB) is skipped, with the reason
@@ -103,7 +109,10 @@ def rmat_graph(scale, edge_factor, seed, abcd=(0.57, 0.19, 0.19, 0.05)):
 
 def graph_specs(args):
     specs = []
-    if args.quick:
+    if args.tiny:
+        specs.append(("uniform-2K-20K", lambda: uniform_graph(2_000, 20_000, 0)))
+        specs.append(("rmat-s11-ef8", lambda: rmat_graph(11, 8, 1)))
+    elif args.quick:
         specs.append(("uniform-20K-300K", lambda: uniform_graph(20_000, 300_000, 0)))
         specs.append(("rmat-s14-ef16", lambda: rmat_graph(14, 16, 1)))
     else:
@@ -293,8 +302,55 @@ def method_fns(g, case):
     return fns
 
 
+AFTER_TORCH_OP = "ngra-numba after torch op"
+CHECK_ROWS = 256  # rows of each result compared with ngra's (evenly spaced)
+CHECK_TOL = 1e-4  # a larger relative difference is flagged under the floors
+
+
+def check_rows(num_rows):
+    """The rows of a result that the correctness check compares: CHECK_ROWS evenly spaced ones
+    (the DGL worker is sent the same list)."""
+    return torch.unique(torch.arange(CHECK_ROWS) * max(num_rows - 1, 0) // (CHECK_ROWS - 1))
+
+
+def check_grad(out):
+    """The output gradient of the backward check: sin(0.7 k) at the output's k-th element (the
+    DGL worker uses the same)."""
+    k = torch.arange(out.numel(), dtype=torch.float64)
+    return (0.7 * k).sin().reshape(out.shape).to(out.dtype)
+
+
+def checked_value(fn, case, x):
+    """What the check compares for a method: its forward output, or in a backward case the
+    gradient of the first input (u, or the scores) for the output gradient :func:`check_grad`
+    (not all ones: the edge softmax's gradient would be zero); sampled at
+    :func:`check_rows`. Returns (float64 [CHECK_ROWS, -1], the result's row count)."""
+    if case["pass"] == "fwd":
+        with torch.no_grad():
+            v = fn(x)
+    else:
+        first = next(iter(x))
+        leaves = {k: t.detach().requires_grad_(k == first) for k, t in x.items()}
+        out = fn(leaves)
+        out.backward(check_grad(out))
+        v = leaves[first].grad
+        del out, leaves
+    return v.reshape(v.shape[0], -1)[check_rows(v.shape[0])].double(), v.shape[0]
+
+
+def rel_diff(other, ours):
+    """max |other - ours| / max |ours| on the sampled rows (inf if the shapes differ); both
+    as :func:`checked_value` returns them."""
+    (other, other_rows), (ours, rows) = other, ours
+    if other.shape != ours.shape or other_rows != rows:
+        return float("inf")
+    scale = float(ours.abs().max()) if ours.numel() else 1.0
+    return float((other - ours).abs().max()) / max(scale, 1e-30) if ours.numel() else 0.0
+
+
 def materializes(method):
-    return method not in ("ngra-numba", "torch.sparse.mm", "DGL")
+    """Whether a method builds per-edge [E, F] message tensors (index_add_, PyG, ...)."""
+    return method not in ("ngra-numba", AFTER_TORCH_OP, "torch.sparse.mm", "DGL")
 
 
 def skip_reason(need, held, limit):
@@ -325,9 +381,6 @@ def local_runner(fn, case, x, before=None):
             out.backward(grad)
             return time.perf_counter() - t0
     return run
-
-
-AFTER_TORCH_OP = "ngra-numba after torch op"
 
 
 def interleaved_best_ms(runners, reps):
@@ -400,11 +453,16 @@ def time_case(case, fns, dgl, reps, limit, probe=None):
 
     ``fns``: {method: fn(inputs) -> output, or a reason string}; ``dgl``: a DGLWorker with the
     case's graph loaded, or None. A method whose estimated memory (on top of what this process
-    and the DGL worker hold) exceeds ``limit`` is skipped with the reason. DGL takes its turns
-    among the others when both processes' case tensors fit at once, else it runs alone after
-    them. With ``probe`` (a CopyProbe), a forward case also times a large copy in its rounds.
-    Returns ({method: ms or reason}, copy bytes/s in these rounds or None, whether DGL ran
-    interleaved).
+    and the DGL worker hold) exceeds ``limit`` is skipped with the reason. The methods take
+    turns in the same rounds when all their tensors and DGL's fit at once. Otherwise the methods
+    that materialize per-edge messages (index_add_, PyG, torch-scatter) run first in rounds of
+    their own, and DGL then takes its turns with ngra and torch.sparse.mm (the methods the
+    speed floor compares), or, where even that does not fit, alone after them. With ``probe`` (a
+    CopyProbe), a forward case also times a large copy in ngra's rounds.
+    After its rounds, every method's result (forward output, or the first input's gradient) is
+    compared with ngra's on CHECK_ROWS rows (:func:`rel_diff`), so a fast wrong answer shows.
+    Returns ({method: ms or reason}, copy bytes/s in these rounds or None, {method: whether it
+    ran in the same rounds as ngra-numba}, {method: relative difference from ngra}).
     """
     n, e = case["N"], case["E"]
     held = rss_bytes()
@@ -426,23 +484,50 @@ def time_case(case, fns, dgl, reps, limit, probe=None):
         busy = torch.zeros(min(x["u"].numel() if "u" in x else 1 << 20, 8 << 20))
         local[AFTER_TORCH_OP] = local_runner(fns["ngra-numba"], case, x,
                                              before=lambda: busy.add_(1.0))
+    lean = {m: run for m, run in local.items() if not materializes(m)}
+    heavy = {m: run for m, run in local.items() if materializes(m)}
     dgl_need = case_bytes(case, n, e, False)
-    interleaved = dgl_ok and held + other + max(needs.values(), default=0) + dgl_need <= limit
-    if interleaved:
-        try:
-            dgl.call(cmd="prepare", case=case)
-            local["DGL"] = lambda: dgl.call(cmd="run")["s"]
-        except RuntimeError as err:
-            out["DGL"] = f"error: {err}"
-    copy_bw = None
+
+    def fits(group):
+        return held + other + max((needs.get(m, 0) for m in group), default=0) + dgl_need <= limit
+
+    rounds = [local]  # groups of methods, each timed in rounds of its own, in this order
+    dgl_group = None
+    if dgl_ok and fits(local):
+        dgl_group = local
+    elif dgl_ok and lean and fits(lean):
+        rounds = [heavy, lean] if heavy else [lean]
+        dgl_group = lean
+    ours = next((g for g in rounds if "ngra-numba" in g), rounds[-1])
     if probe is not None and case["pass"] == "fwd" and local:
-        local["copy"] = probe.run
-    out.update(interleaved_best_ms(local, reps))
+        ours["copy"] = probe.run
+    same, checks = {}, {}
+    ref = checked_value(fns["ngra-numba"], case, x) if "ngra-numba" in local else None
+    for group in rounds:
+        if group is dgl_group:
+            try:
+                dgl.call(cmd="prepare", case=case)
+                group["DGL"] = lambda: dgl.call(cmd="run")["s"]
+            except RuntimeError as err:
+                out["DGL"] = f"error: {err}"
+        out.update(interleaved_best_ms(group, reps))
+        same.update({m: group is ours for m in group})
+        if ref is not None:
+            for m in group:
+                if m in needs and m != "ngra-numba" and isinstance(out.get(m), float):
+                    try:
+                        checks[m] = rel_diff(checked_value(fns[m], case, x), ref)
+                    except Exception as err:  # noqa: BLE001 (reported, the run goes on)
+                        checks[m] = f"error: {type(err).__name__}: {str(err)[:80]}"
+                elif m == "DGL" and isinstance(out.get(m), float):
+                    checks[m] = _dgl_check(dgl, ref)
+    copy_bw = None
     if "copy" in out:
         copy_ms = out.pop("copy")
         copy_bw = probe.bytes / (copy_ms * 1e-3) if isinstance(copy_ms, float) else None
-    del local, x
-    if dgl_ok and not interleaved:
+    del local, lean, heavy, rounds, ours, x
+    if dgl_ok and dgl_group is None:
+        same["DGL"] = False
         reason = skip_reason(dgl_need, held + other, limit)
         if reason:
             out["DGL"] = reason
@@ -450,6 +535,8 @@ def time_case(case, fns, dgl, reps, limit, probe=None):
             try:
                 dgl.call(cmd="prepare", case=case)
                 out.update(interleaved_best_ms({"DGL": lambda: dgl.call(cmd="run")["s"]}, reps))
+                if ref is not None and isinstance(out["DGL"], float):
+                    checks["DGL"] = _dgl_check(dgl, ref)
             except RuntimeError as err:
                 out["DGL"] = f"error: {err}"
     if dgl is not None and not dgl.reason:
@@ -460,14 +547,24 @@ def time_case(case, fns, dgl, reps, limit, probe=None):
     if dgl is not None and dgl.reason and "DGL" not in out:
         out["DGL"] = f"not available ({dgl.reason})"
     order = list(fns) + [AFTER_TORCH_OP, "DGL"]
-    return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]))), copy_bw, interleaved
+    same = {m: same.get(m) for m in out}  # None: not timed
+    return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]))), copy_bw, same, checks
+
+
+def _dgl_check(dgl, ref):
+    """:func:`rel_diff` of DGL's result (the worker's ``check`` command) against ngra's."""
+    try:
+        reply = dgl.call(cmd="check", rows=check_rows(ref[1]).tolist())
+    except RuntimeError as err:
+        return f"error: {err}"
+    return rel_diff((torch.tensor(reply["sample"], dtype=torch.float64), reply["num_rows"]), ref)
 
 
 # ----------------------------------------------------------------------------------------------
 
 def build_cases(args, graph_name, graph_dir, n, e, largest):
     cases = []
-    feats = [16, 64] if args.quick else [16, 64, 256]
+    feats = [8] if args.tiny else [16, 64] if args.quick else [16, 64, 256]
     if args.feats:
         feats = [int(f) for f in args.feats.split(",")]
     spmm = [("copy_u", "sum"), ("copy_u", "max"), ("u_mul_e", "sum")]
@@ -552,6 +649,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small graphs, F in {16, 64}")
+    size.add_argument("--tiny", action="store_true",
+                      help="a smoke test: two tiny graphs, F = 8, no JIT timing (seconds)")
     size.add_argument("--full", action="store_true", help="also R-MAT scale 21 (2.1M / 33.5M)")
     ap.add_argument("--reps", type=int, default=None, help="timed runs per method (best is kept)")
     ap.add_argument("--sweep", action="store_true",
@@ -569,7 +668,7 @@ def main():
                          "what the process holds, exceeds this (default 10 GiB)")
     ap.add_argument("--out", default=str(REPO / "results" / "kernels"))
     args = ap.parse_args()
-    reps = args.reps or (3 if args.quick else 5)
+    reps = args.reps or (1 if args.tiny else 3 if args.quick else 5)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
@@ -594,7 +693,7 @@ def main():
     print(f"threads: {threads}; load average {load0[0]:.1f} {load0[1]:.1f} {load0[2]:.1f} (the "
           f"machine is shared: compare only ratios within this run); copy bandwidth (512 MiB "
           f"tensor copy, read + write, best of {reps}): {bw / 1e9:.1f} GB/s")
-    jit = jit_compile_times()
+    jit = {"not measured": "--tiny"} if args.tiny else jit_compile_times()
     print("numba first-call time of all benchmarked kernels: " +
           ", ".join(f"{k}: {v:.1f} s" if isinstance(v, float) else f"{k}: {v}"
                     for k, v in jit.items()))
@@ -657,8 +756,8 @@ def run_graph(gname, gdir, n, e, cases, dgl, probe, limit, progress, pyg):
     for case in cases:
         f = case["F"]
         traffic = traffic_bytes(case["kernel"], n, e, f, csr.indices.element_size())
-        times, case_bw, interleaved = time_case(case, method_fns(g, case), dgl, case["reps"],
-                                                limit, probe)
+        times, case_bw, same, checks = time_case(case, method_fns(g, case), dgl,
+                                                 case["reps"], limit, probe)
         load = round(os.getloadavg()[0], 1)
         for method, ms in times.items():
             frac = (traffic / (ms * 1e-3) / case_bw) if isinstance(ms, float) and case_bw \
@@ -669,7 +768,9 @@ def run_graph(gname, gdir, n, e, cases, dgl, probe, limit, progress, pyg):
                          "GB/s (model)": traffic / (ms * 1e-3) / 1e9 if frac else None,
                          "copy GB/s (same rounds)": case_bw / 1e9 if case_bw else None,
                          "fraction of copy bw": frac, "reps": case["reps"],
-                         "interleaved": method != "DGL" or interleaved, "load average": load})
+                         "same rounds as ngra": same[method],
+                         "check (max rel diff vs ngra)": checks.get(method),
+                         "load average": load})
         progress.update(1)
     return rows
 
@@ -705,7 +806,8 @@ def report(rows, bw, jit, dgl_note, threads, reps, out_dir, loads, args_large_re
         k = (r["graph"], r["kernel"], r["op"], r["reduce"], r["F"], r["pass"])
         if k not in keys:
             keys.append(k)
-    header = f"{'graph':18} {'case':30} {'method':26} {'ms':>9} {'vs ngra':>8} {'bw frac':>8}"
+    header = (f"{'graph':18} {'case':30} {'method':26} {'ms':>9} {'vs ngra':>8} {'bw frac':>8} "
+              f"{'check':>8}")
     print(header + "\n" + "-" * len(header))
     for k in keys:
         sub = [r for r in rows if (r["graph"], r["kernel"], r["op"], r["reduce"], r["F"],
@@ -717,9 +819,11 @@ def report(rows, bw, jit, dgl_note, threads, reps, out_dir, loads, args_large_re
             if isinstance(ms, float):
                 ratio = f"{ms / ours:7.2f}x" if isinstance(ours, float) else ""
                 frac = f"{r['fraction of copy bw']:7.0%}" if r["fraction of copy bw"] else ""
-                alone = "" if r["interleaved"] else "  (ran after the others: no memory for both)"
-                print(f"{k[0]:18} {case:30} {r['method']:26} {ms:9.1f} {ratio:>8} {frac:>8}"
-                      f"{alone}")
+                alone = "" if r["same rounds as ngra"] else "  (own rounds: no memory for both)"
+                chk = r["check (max rel diff vs ngra)"]
+                chk = f"{chk:8.0e}" if isinstance(chk, float) else f"{str(chk or '')[:30]:>8}"
+                print(f"{k[0]:18} {case:30} {r['method']:26} {ms:9.1f} {ratio:>8} {frac:>8} "
+                      f"{chk}{alone}")
             else:
                 print(f"{k[0]:18} {case:30} {r['method']:26} {str(ms)[:60]}")
         probe = sub[0].get("copy GB/s (same rounds)")
@@ -734,7 +838,8 @@ def print_floors(rows):
     """The issue's floors, case by case: every g-SpMM op/reducer no slower than the fastest of
     DGL and torch.sparse.mm, at least 5x faster than index_add_/scatter_reduce and PyG, and
     copy_u/sum at F=64 reaching half the copy bandwidth (measured in the same rounds)."""
-    print("\nfloors (g-SpMM; 'vs best' = ngra time / fastest of DGL and torch.sparse.mm):")
+    print("\nfloors (g-SpMM; 'vs best' = ngra time / fastest of DGL and torch.sparse.mm; results "
+          f"that differ from ngra's by more than {CHECK_TOL:g} relative are named):")
     keys = []
     for r in rows:
         k = (r["graph"], r["op"], r["reduce"], r["F"], r["pass"])
@@ -751,7 +856,9 @@ def print_floors(rows):
                   if m in sub and isinstance(sub[m]["ms"], float)]
         if rivals:
             ratio = ours / min(rivals)
-            notes.append(f"vs best {ratio:4.2f} {'ok' if ratio <= 1 else 'MISS'}")
+            apart = " (DGL timed apart)" if "DGL" in sub and not sub["DGL"]["same rounds as ngra"] \
+                and isinstance(sub["DGL"]["ms"], float) else ""
+            notes.append(f"vs best {ratio:4.2f} {'ok' if ratio <= 1 else 'MISS'}{apart}")
         for m in ("index_add/scatter_reduce", "PyG propagate"):
             if m in sub and isinstance(sub[m]["ms"], float):
                 speedup = sub[m]["ms"] / ours
@@ -759,6 +866,10 @@ def print_floors(rows):
         frac = sub["ngra-numba"].get("fraction of copy bw")
         if k[1:4] == ("copy_u", "sum", 64) and k[4] == "fwd" and frac:
             notes.append(f"bandwidth {frac:4.0%} {'ok' if frac >= 0.5 else 'MISS'}")
+        for m, r in sub.items():
+            chk = r.get("check (max rel diff vs ngra)")
+            if isinstance(chk, float) and chk > CHECK_TOL or isinstance(chk, str) and chk:
+                notes.append(f"{m} result differs from ngra's ({chk})")
         case = f"{k[1]}/{k[2]} F{k[3]} {k[4]}"
         print(f"  {k[0]:18} {case:24} " + "; ".join(notes))
 

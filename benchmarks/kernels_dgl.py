@@ -11,6 +11,10 @@ Protocol: one JSON object per line on stdin, one reply per line on stdout.
     {"cmd": "load", "graph_dir": "..."}         -> {"rss": bytes}  (src.npy / dst.npy / meta.json)
     {"cmd": "prepare", "case": {...}}           -> {"rss": bytes}  (builds the case's inputs)
     {"cmd": "run"}                              -> {"s": seconds of one timed call}
+    {"cmd": "check", "rows": [...]}             -> {"sample": rows of the result, "num_rows": n}
+                                                   (forward output, or in a backward case the first
+                                                   input's gradient for the output gradient
+                                                   sin(0.7 k) at the output's k-th element)
     {"cmd": "release"}                          -> {"rss": bytes}
     {"cmd": "quit"}
     any failure                                 -> {"error": "..."}
@@ -57,7 +61,8 @@ def load_graph(path):
 
 
 def make_case(g, case):
-    """A callable timing one call of the case (the same inputs as the main script's)."""
+    """Callables (run, check) for the case (the same inputs as the main script's): ``run()``
+    times one call; ``check(rows)`` returns the result's rows (see the protocol above)."""
     n, e = g.num_nodes(), g.num_edges()
     f, kernel = case["F"], case["kernel"]
     gen = torch.Generator().manual_seed(0)
@@ -73,7 +78,11 @@ def make_case(g, case):
         binop = {"copy_u": "copy_lhs", "copy_e": "copy_rhs"}.get(op, op.split("_")[1])
 
         def fwd(t):
-            return dgl.ops.gspmm(g, binop, reduce, t.get("u"), t.get("e"))
+            out = dgl.ops.gspmm(g, binop, reduce, t.get("u"), t.get("e"))
+            # dgl.ops.gspmm leaves +-inf in the rows of max / min without in-edges (and its
+            # backward then sends their gradient to vertex 0); DGL's update_all replaces them
+            # with 0, as ngra's kernels do, and so does this baseline
+            return dgl.backend.replace_inf_with_zero(out) if reduce in ("max", "min") else out
     elif kernel == "gsddmm":
         x["u"] = torch.randn(n, f, generator=gen)
         x["v"] = torch.randn(n, f, generator=gen)
@@ -100,11 +109,27 @@ def make_case(g, case):
             t0 = time.perf_counter()
             out.backward(grad)
             return time.perf_counter() - t0
-    return run
+
+    def check(rows):
+        first = next(iter(x))
+        leaves = {k: v.detach().requires_grad_(k == first) for k, v in x.items()}
+        if case["pass"] == "fwd":
+            with torch.no_grad():
+                value = fwd(leaves)
+        else:
+            out = fwd(leaves)
+            k = torch.arange(out.numel(), dtype=torch.float64)  # kernels.py's check_grad
+            out.backward((0.7 * k).sin().reshape(out.shape).to(out.dtype))
+            value = leaves[first].grad
+        flat = value.reshape(value.shape[0], -1)
+        return {"sample": flat[torch.tensor(rows, dtype=torch.long)].double().tolist(),
+                "num_rows": int(value.shape[0])}
+
+    return run, check
 
 
 def main():
-    graph, run = None, None
+    graph, run, check = None, None, None
     _REPLY.write(json.dumps({"versions": {"dgl": dgl.__version__, "torch": torch.__version__}})
                  + "\n")
     _REPLY.flush()
@@ -118,18 +143,20 @@ def main():
                 torch.set_num_threads(int(msg["n"]))
                 reply = {}
             elif cmd == "load":
-                graph = run = None
+                graph = run = check = None
                 gc.collect()
                 graph = load_graph(msg["graph_dir"])
                 reply = {"rss": rss_bytes()}
             elif cmd == "prepare":
-                run = None
-                run = make_case(graph, msg["case"])
+                run = check = None
+                run, check = make_case(graph, msg["case"])
                 reply = {"rss": rss_bytes()}
             elif cmd == "run":
                 reply = {"s": run()}
+            elif cmd == "check":
+                reply = check(msg["rows"])
             elif cmd == "release":
-                run = None
+                run = check = None
                 gc.collect()
                 reply = {"rss": rss_bytes()}
             else:
