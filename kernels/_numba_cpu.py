@@ -1469,7 +1469,7 @@ def _hot_sources(csr):
     skewed graph the rarely read rows need not stay cached. On R-MAT scale 21 (17.6% of the rows
     receive 95% of the gathers) it picks 2 blocks instead of 4 at F = 16, and 2 blocks had a
     median below 4 blocks' in 9 of 10 same-process comparisons (forward and backward, sessions 7
-    and 8), by 3-14%, and 4% above in the tenth. Its picks at F = 64 and 256 there, and
+    and 8), by 2-14%, and 4% above in the tenth. Its picks at F = 64 and 256 there, and
     every pick on the uniform benchmark graph (91% of the rows for 95% of the edges), are
     unchanged."""
     cache = csr._backend_cache
