@@ -15,9 +15,9 @@ with OpenMP's passive waiting (OMP_WAIT_POLICY=PASSIVE unless the environment sa
 the DGL worker inherits it), so that torch's idle threads do not spin on the cores numba's
 threads need. For the g-SpMM forward, "ngra-numba after torch op" times ngra's call again right
 after a small parallel torch op, as in a model where it follows a dense layer: what handing the
-cores over from torch's pool costs. The machine's copy bandwidth is measured the same way: a 256 MiB tensor copy takes its
-turn in the rounds of every forward case, and each forward kernel reports the fraction of that
-bandwidth it reaches under the fused traffic model:
+cores over from torch's pool costs. The machine's copy bandwidth is measured the same way: a
+256 MiB tensor copy takes its turn in the rounds of every forward case, and each forward kernel
+reports the fraction of that bandwidth it reaches under the fused traffic model:
 
     gspmm          E * (index + F * itemsize) + num_dst * F * itemsize bytes
                    (one index and one F-wide source row read per edge, one row written per

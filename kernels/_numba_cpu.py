@@ -1475,18 +1475,22 @@ def _hot_sources(csr):
     cache = csr._backend_cache
     key = ("numba_hot_sources", _HOT_SHARE)
     if key not in cache:
-        indices = _arrays(csr)[2]
-        if indices.size == 0:
+        if csr.num_edges == 0:
             cache[key] = 0
         else:
-            deg = np.bincount(indices, minlength=csr.num_src)
+            # source degrees: the transpose's row lengths where it exists (always in backward,
+            # whose CSR is a transpose), else counted
+            t = csr._transpose
+            deg = t.in_degrees().numpy() if t is not None else \
+                np.bincount(_arrays(csr)[2], minlength=csr.num_src)
             rows_of_deg = np.bincount(deg)[::-1]  # rows per degree, highest degree first
             degs = np.arange(rows_of_deg.size - 1, -1, -1, dtype=np.int64)
             edges = np.cumsum(rows_of_deg * degs)
-            d = int(np.searchsorted(edges, _HOT_SHARE * indices.size))  # degree class reaching it
+            target = _HOT_SHARE * csr.num_edges
+            d = int(np.searchsorted(edges, target))  # the degree class that reaches it
             before = int(edges[d - 1]) if d else 0
             rows_before = int(rows_of_deg[:d].sum())
-            need = -(-(_HOT_SHARE * indices.size - before) // max(1, int(degs[d])))
+            need = -(-(target - before) // max(1, int(degs[d])))
             cache[key] = int(min(csr.num_src, rows_before + max(0, need)))
     return cache[key]
 

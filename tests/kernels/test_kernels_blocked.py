@@ -174,6 +174,12 @@ def test_hot_sources_counts_the_rows_taking_95_percent_of_the_edges(n, e, skew):
     covered = deg.cumsum(0)
     want = 0 if e == 0 else int((covered < 0.95 * e).sum()) + 1
     assert _numba_cpu._hot_sources(csr) == want
+    # the same count from the transpose's row lengths, as in backward
+    again = kernels.CSR.from_coo(src.int(), dst.int(), n)
+    again.transpose()
+    assert _numba_cpu._hot_sources(again) == want
+    assert _numba_cpu._hot_sources(again.transpose()) == _numba_cpu._hot_sources(
+        kernels.CSR.from_coo(dst.int(), src.int(), n))
     if e and skew:
         assert want < 0.75 * n  # the skewed graphs are skewed (uniform: ~0.9 n)
 
