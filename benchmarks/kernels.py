@@ -37,6 +37,10 @@ average, and only ratios measured in the same run should be compared.
 
     .venv/bin/python benchmarks/kernels.py --quick
     .venv/bin/python benchmarks/kernels.py --full --reps 3 --large-reps 1 --sweep
+    .venv/bin/python benchmarks/kernels.py --graphs uniform --sweep --only 'gspmm.*F64.fwd'
+
+``--sweep`` adds every g-SpMM op x reducer (forward, F = 64); ``--only`` keeps the cases whose
+key matches a regular expression (the last command: the sweep alone).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -588,6 +593,17 @@ def build_cases(args, graph_name, graph_dir, n, e, largest):
     return cases
 
 
+def select_cases(cases, pattern):
+    """The cases whose key (graph|kernel|op|reduce|F<n>|pass) matches ``pattern`` (re.search);
+    SystemExit naming the pattern and some keys when none does."""
+    kept = [c for c in cases if pattern.search(c["key"])]
+    if not kept:
+        keys = ", ".join(c["key"] for c in cases[:3])
+        raise SystemExit(f"--only {pattern.pattern!r} matches none of the {len(cases)} cases; "
+                         f"their keys read like {keys}")
+    return kept
+
+
 def jit_compile_times():
     """First-call time of the kernels in a fresh process with an empty numba cache, then with the
     cache that run left on disk."""
@@ -663,11 +679,20 @@ def main():
     ap.add_argument("--graphs", default="",
                     help="comma list of graph kinds or names to keep (e.g. uniform, rmat)")
     ap.add_argument("--feats", default="", help="comma list of feature sizes (e.g. 64)")
+    ap.add_argument("--only", default="", metavar="REGEX",
+                    help="keep only the cases whose key matches (re.search) this regular "
+                         "expression; keys read graph|kernel|op|reduce|F<n>|pass, e.g. "
+                         "'gspmm.*F64.fwd' for the forward g-SpMM cases of F = 64")
     ap.add_argument("--mem-gib", type=float, default=10.0,
                     help="skip (and say so) any timed run whose estimated peak memory, on top of "
                          "what the process holds, exceeds this (default 10 GiB)")
     ap.add_argument("--out", default=str(REPO / "results" / "kernels"))
     args = ap.parse_args()
+    try:
+        only = re.compile(args.only) if args.only else None
+    except re.error as err:
+        ap.error(f"--only {args.only!r} is not a regular expression ({err}); quote it for the "
+                 f"shell, e.g. --only 'gspmm.*F64.fwd'")
     reps = args.reps or (1 if args.tiny else 3 if args.quick else 5)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -711,6 +736,8 @@ def main():
         print(f"graph {gname}: {n} vertices, {len(src)} edges ({time.perf_counter() - t0:.1f} s)")
         all_cases += build_cases(args, gname, gdir, n, len(src), largest=i == len(specs) - 1)
         del src, dst
+    if only is not None:
+        all_cases = select_cases(all_cases, only)
     for c in all_cases:
         c["reps"] = args.large_reps if args.large_reps and c["E"] > 10_000_000 else reps
 
@@ -726,6 +753,8 @@ def main():
     try:
         for gname, (gdir, n, e) in graphs.items():
             cases = [c for c in all_cases if c["graph"] == gname]
+            if not cases:
+                continue
             rows += run_graph(gname, gdir, n, e, cases, dgl, probe, limit, progress, pyg)
     finally:
         progress.close()

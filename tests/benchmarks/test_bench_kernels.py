@@ -2,10 +2,12 @@
 limit, the check of every method's result against ngra's, and a smoke run of the whole script.
 The timings of these runs mean nothing; the figures come from the README's commands."""
 
+import argparse
 import csv
 import importlib.util
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +130,20 @@ def test_check_rows_are_spread_and_in_range(bench):
                                {"u": v, "w": torch.full((6, 2), 3.0)})
     g = torch.tensor([math.sin(0.7 * k) for k in range(6)], dtype=torch.float32).double()
     assert torch.allclose(grad[0], 3 * g[:, None].expand(6, 2))
+
+
+def test_sweep_and_only_select_the_forward_cases_of_every_op_and_reducer(bench):
+    args = argparse.Namespace(tiny=False, quick=False, feats="16,64", sweep=True)
+    cases = bench.build_cases(args, "uniform-200K-3M", "graphs/u", 200_000, 3_000_000,
+                              largest=False)
+    kept = bench.select_cases(cases, re.compile("gspmm.*F64.fwd"))
+    ops = ("copy_u", "copy_e", "u_add_e", "u_sub_e", "u_mul_e", "u_div_e")
+    assert sorted((c["op"], c["reduce"]) for c in kept) == \
+        sorted((op, r) for op in ops for r in ("sum", "mean", "max", "min"))
+    assert all(c["kernel"] == "gspmm" and c["F"] == 64 and c["pass"] == "fwd" for c in kept)
+    assert len(cases) == 2 * 2 * 4 + 2 + 24 - 3  # F x pass x 4 kernels, softmax, sweep extras
+    with pytest.raises(SystemExit, match="'F32' matches none of the 39 cases"):
+        bench.select_cases(cases, re.compile("F32"))
 
 
 @pytest.mark.slow
