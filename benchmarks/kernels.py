@@ -693,6 +693,11 @@ def main():
     except re.error as err:
         ap.error(f"--only {args.only!r} is not a regular expression ({err}); quote it for the "
                  f"shell, e.g. --only 'gspmm.*F64.fwd'")
+    if only is not None:  # a pattern matching nothing stops here, before any graph or timing
+        specs = graph_specs(args)
+        select_cases([c for i, (gname, _) in enumerate(specs)
+                      for c in build_cases(args, gname, "", 0, 0, largest=i == len(specs) - 1)],
+                     only)
     reps = args.reps or (1 if args.tiny else 3 if args.quick else 5)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -146,6 +146,15 @@ def test_sweep_and_only_select_the_forward_cases_of_every_op_and_reducer(bench):
         bench.select_cases(cases, re.compile("F32"))
 
 
+def test_only_matching_nothing_stops_before_any_work(tmp_path):
+    res = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--no-dgl", "--only", "F32",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert res.returncode != 0
+    assert "--only 'F32' matches none of the 20 cases" in res.stderr, res.stderr[-2000:]
+    assert "copy bandwidth" not in res.stdout and not (tmp_path / "graphs").exists()
+
+
 @pytest.mark.slow
 def test_kernels_benchmark_tiny_run(tmp_path):
     out = tmp_path / "out"
