@@ -693,11 +693,16 @@ def main():
     except re.error as err:
         ap.error(f"--only {args.only!r} is not a regular expression ({err}); quote it for the "
                  f"shell, e.g. --only 'gspmm.*F64.fwd'")
-    if only is not None:  # a pattern matching nothing stops here, before any graph or timing
-        specs = graph_specs(args)
-        select_cases([c for i, (gname, _) in enumerate(specs)
-                      for c in build_cases(args, gname, "", 0, 0, largest=i == len(specs) - 1)],
-                     only)
+    specs = graph_specs(args)
+    # the largest graph of the run, which --sweep covers besides the uniform one: fixed before
+    # --only drops any graph
+    largest = specs[-1][0] if specs else None
+    if only is not None:
+        # before any graph or timing: a pattern matching nothing stops here, and a graph none of
+        # whose cases match is not generated (which case a graph has does not depend on its size)
+        kept = select_cases([c for gname, _ in specs for c in
+                             build_cases(args, gname, "", 0, 0, largest=gname == largest)], only)
+        specs = [spec for spec in specs if spec[0] in {c["graph"] for c in kept}]
     reps = args.reps or (1 if args.tiny else 3 if args.quick else 5)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -731,15 +736,14 @@ def main():
     rows = []
     all_cases = []
     graphs = {}
-    specs = graph_specs(args)
-    for i, (gname, make) in enumerate(specs):
+    for gname, make in specs:
         t0 = time.perf_counter()
         src, dst, n = make()
         gdir = out_dir / "graphs" / gname
         save_graph(gdir, src, dst, n)
         graphs[gname] = (gdir, n, len(src))
         print(f"graph {gname}: {n} vertices, {len(src)} edges ({time.perf_counter() - t0:.1f} s)")
-        all_cases += build_cases(args, gname, gdir, n, len(src), largest=i == len(specs) - 1)
+        all_cases += build_cases(args, gname, gdir, n, len(src), largest=gname == largest)
         del src, dst
     if only is not None:
         all_cases = select_cases(all_cases, only)
@@ -758,8 +762,6 @@ def main():
     try:
         for gname, (gdir, n, e) in graphs.items():
             cases = [c for c in all_cases if c["graph"] == gname]
-            if not cases:
-                continue
             rows += run_graph(gname, gdir, n, e, cases, dgl, probe, limit, progress, pyg)
     finally:
         progress.close()

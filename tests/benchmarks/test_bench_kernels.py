@@ -155,6 +155,17 @@ def test_only_matching_nothing_stops_before_any_work(tmp_path):
     assert "copy bandwidth" not in res.stdout and not (tmp_path / "graphs").exists()
 
 
+def test_only_generates_just_the_graphs_with_a_matching_case(tmp_path):
+    res = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--no-dgl", "--only",
+                          "rmat.*edge_softmax.*fwd", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "graphs").iterdir()) == ["rmat-s11-ef8"]
+    rows = list(csv.DictReader(open(tmp_path / "kernels.csv")))
+    assert {(r["graph"], r["kernel"], r["pass"]) for r in rows} == \
+        {("rmat-s11-ef8", "edge_softmax", "fwd")}
+
+
 @pytest.mark.slow
 def test_kernels_benchmark_tiny_run(tmp_path):
     out = tmp_path / "out"
