@@ -175,10 +175,12 @@ def _spmm_sum_grad_u(csr, mod, binop, g, e):
 def _spmm_sum_grad_e(csr, mod, binop, g, u, e):
     """d out / d e for sum, per edge k = (s -> v), before reducing broadcast dims (for div the
     caller still multiplies by -1/e^2)."""
-    if binop in ("copy_rhs", "add", "sub"):
-        ge = mod.sddmm(csr, "copy_lhs", g, "v", None, None)
-        return -ge if binop == "sub" else ge
     fu, fe, fo = _feat(u), _feat(e), tuple(g.shape[1:])
+    if binop in ("copy_rhs", "add", "sub"):
+        # each edge's gradient is its destination's g row, summed over the dims e is broadcast
+        # along: sum per destination first, so a weight per edge gets [E, 1], not [E, F] first
+        ge = mod.sddmm(csr, "copy_lhs", reduce_to(g, fe), "v", None, None)
+        return -ge if binop == "sub" else ge
     # e constant along the last feature dim (one weight per edge [E] / [E, 1], or per head
     # [E, H, 1] against u [N, H, F]): the gradient is a dot product over that dim, with no
     # [E, ..., F] temporary; reduce_to then sums any remaining broadcast dims.

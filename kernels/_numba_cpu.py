@@ -11,21 +11,21 @@ reducer and broadcast layout are runtime arguments rather than compile-time spec
 keeps the number of compiled signatures (and so the first-call compile time) small. Branches on
 them sit outside the per-feature loops, so the hot loops stay simple enough to vectorize.
 Source rows are gathered at random, so the gather loops prefetch the row a few edges ahead.
-The g-SpMM's common layouts (copy_u, copy_e, u_mul_e with one weight per edge or per head) gather
-through LLVM intrinsics (_tile_sum, _tile_maxmin) that hold a row tile's partial sums, or running
-extremes and winning positions, in vector registers across the row's edges; the max/min gradient
-w.r.t. u reuses _tile_sum with the recorded winner bits as lane masks. When the gathered rows
-outgrow the last-level cache, the g-SpMM (the max/min in its register-tile layouts), the g-SDDMM
-and the max/min gradient w.r.t. u run in blocks of source rows (a blocked copy of the CSR, cached
-on it): one pass per block over all destination rows, so the block's rows, and their page-table
-entries, stay cached; the block count comes from a cost model (_num_blocks).
+The g-SpMM's common layouts (copy_u, copy_e, u_mul_e / u_add_e / u_sub_e / u_div_e with one
+weight per edge or per head of whole vectors) gather through LLVM intrinsics (_tile_sum,
+_tile_maxmin) that hold a row tile's partial sums, or running extremes and winning positions, in
+vector registers across the row's edges; the max/min gradient w.r.t. u reuses _tile_sum with the
+recorded winner bits as lane masks. When the gathered rows outgrow the last-level cache, the
+g-SpMM (the max/min in its register-tile layouts), the g-SDDMM and the max/min gradient w.r.t. u
+run in blocks of source rows (a blocked copy of the CSR, cached on it): one pass per block over
+all destination rows, so the block's rows, and their page-table entries, stay cached; the block
+count comes from a cost model (_num_blocks).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import math
 import os
 import threading
@@ -55,6 +55,7 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 _launch_lock = threading.Lock()
 
 COPY_LHS, COPY_RHS, ADD, SUB, MUL, DIV, DOT = range(7)
+ANY_OP = -1  # code generation only: a weight op chosen at run time, per edge (_IREdge.messages)
 _CODE = {"copy_lhs": COPY_LHS, "copy_rhs": COPY_RHS, "add": ADD, "sub": SUB, "mul": MUL,
          "div": DIV, "dot": DOT}
 
@@ -325,21 +326,67 @@ class _IREdge:
         g = self.g
         return g.b.load(_ir_ptr(g.b, self.wrow, wcol, g.fty))
 
-    def message(self, o, lanes, wcol):
-        """:meth:`raw`, times the weight at byte ``wcol`` of W's row if the edge is weighted (the
-        product rounded, as the reference loop does)."""
+    def combine(self, op, x, w):
+        """``x`` op ``w`` for a weight op code (a Python int: MUL, ADD, SUB or DIV)."""
+        b = self.g.b
+        return {MUL: b.fmul, ADD: b.fadd, SUB: b.fsub, DIV: b.fdiv}[op](x, w)
+
+    def message(self, o, lanes, wcol, op=None):
+        """:meth:`raw`, combined by ``op`` (MUL, ADD, SUB or DIV, a Python int) with the weight
+        at byte ``wcol`` of W's row if the edge is weighted (the result rounded, as the reference
+        loop does)."""
         val = self.raw(o, lanes)
         if self.wrow is None:
             return val
-        return self.g.b.fmul(val, _ir_splat(self.g.b, self.weight(wcol), lanes))
+        return self.combine(op, val, _ir_splat(self.g.b, self.weight(wcol), lanes))
+
+    def messages(self, pieces, wcols, op):
+        """The weighted edge's message pieces (``(byte offset, lanes)`` of the tile, as
+        :meth:`raw`), each combined by ``op`` (an intp value: MUL, ADD, SUB, else DIV) with its
+        weight (at byte ``wcols[i]`` of W's row), each result rounded as the reference loop's.
+        One branch on ``op`` per edge picks the combining instruction for all pieces: it always
+        goes the same way, and emitting the max/min edge loop once per op instead (as
+        :func:`_tile_sum` does) made that kernel's compile time 2.2x; but holding every piece's
+        message at once costs registers, so u_mul_e keeps a loop of its own."""
+        raws = [self.raw(o, lanes) for o, lanes in pieces]
+        b = self.g.b
+        ws = [_ir_splat(b, self.weight(wcol), lanes) for wcol, (_, lanes) in zip(wcols, pieces)]
+        slots = [cgutils.alloca_once(b, x.type) for x in raws]
+
+        def emit(code):
+            for x, w, slot in zip(raws, ws, slots):
+                b.store(self.combine(code, x, w), slot)
+
+        _ir_by_op(b, op, emit)
+        return [b.load(slot) for slot in slots]
+
+
+def _ir_by_op(builder, op, emit):
+    """Emit ``emit(code)`` for each weight op code (MUL, ADD, SUB, DIV), each under the branch
+    taken when ``op`` (an intp value) is that code (DIV: when it is none of the others)."""
+    codes = (MUL, ADD, SUB, DIV)
+
+    def chain(i):
+        if i == len(codes) - 1:
+            emit(codes[i])
+            return
+        with builder.if_else(builder.icmp_signed("==", op, ir.Constant(op.type, codes[i]))) as (
+                then, otherwise):
+            with then:
+                emit(codes[i])
+            with otherwise:
+                chain(i + 1)
+
+    chain(0)
 
 
 @intrinsic
-def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, M, mids):
+def _tile_sum(typingctx, X, ids, W, wids, inner, op, beg, end, out, v, pf, pend, M, mids):
     """``out[v, f] += sum over k in beg:end of X[ids[k], f]`` for every f < ``out.shape[1]``:
 
-    - each term times ``W[wids[k], f // inner]`` if ``inner`` > 0 (one weight per edge, or per
-      head of ``inner`` features; every 32-byte piece of a tile must lie in one head);
+    - each term combined with ``W[wids[k], f // inner]`` by ``op`` (MUL, ADD, SUB or DIV: the
+      u_mul_e ... u_div_e messages) if ``inner`` > 0 (one weight per edge, or per head of
+      ``inner`` features; every 32-byte piece of a tile must lie in one head);
     - if ``M`` is not None, only the terms whose bit ``f & 31`` of ``M[mids[k], f >> 5]`` is set
       (the max/min backward: the output elements the edge won);
     - with the rows of X (and W, M) prefetched ``pf`` edges ahead, below ``pend``.
@@ -349,7 +396,7 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, M, 
     index load and one vector load + add per 32 bytes. Plain numba loops cannot get there: a
     runtime-length feature loop per edge pays the vectorizer's alias checks and remainder loops,
     and constant-length unrolled ones come out scalar. Each lane still adds its edges one by one
-    in CSR order (the weighted product rounded first, then added, as in the reference loop), so
+    in CSR order (the weighted message rounded first, then added, as in the reference loop), so
     results are the same bits as a scalar loop's; a masked-out term adds +0.0, which changes
     nothing but the sign of a -0.0 sum.
     """
@@ -357,20 +404,20 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, M, 
             and (M is types.none or isinstance(M, types.Array) and M.ndim == 2
                  and M.dtype in (types.uint32, types.int32))):
         return None
-    sig = types.void(X, ids, W, wids, inner, beg, end, out, v, pf, pend, M, mids)
+    sig = types.void(X, ids, W, wids, inner, op, beg, end, out, v, pf, pend, M, mids)
     masked = M is not types.none
 
     def codegen(context, builder, sig, args):
         intp = context.get_value_type(types.intp)
         i32 = ir.IntType(32)
-        inner_, beg_, end_, v_, pf_, pend_ = [
-            context.cast(builder, args[i], sig.args[i], types.intp) for i in (4, 5, 6, 8, 9, 10)]
+        inner_, op_, beg_, end_, v_, pf_, pend_ = [context.cast(
+            builder, args[i], sig.args[i], types.intp) for i in (4, 5, 6, 7, 9, 10, 11)]
         g = _IRGather(context, builder, sig, args, inner_)
         isz = g.isz
-        oa = context.make_array(sig.args[7])(context, builder, args[7])
+        oa = context.make_array(sig.args[8])(context, builder, args[8])
         obase = _ir_row(builder, oa, v_)
         if masked:
-            ma, mia = [context.make_array(sig.args[i])(context, builder, args[i]) for i in (11, 12)]
+            ma, mia = [context.make_array(sig.args[i])(context, builder, args[i]) for i in (12, 13)]
             mbase, ms = g.base(ma), g.stride0(ma)
 
         def tile(c0, nbytes):
@@ -394,13 +441,13 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, M, 
                     g.prefetch(builder.gep(mbase, [builder.add(
                         builder.mul(g.load_id(mia, kp), ms), mcols[0])]))
 
-            def edge_loop(with_weight):
-                with g.edges(beg_, end_, pf_, pend_, cbytes, nbytes, with_weight,
+            def edge_loop(wop):  # wop: the weight's op (a Python int), None unweighted
+                with g.edges(beg_, end_, pf_, pend_, cbytes, nbytes, wop is not None,
                              prefetch) as edge:
                     if masked:
                         mrow = builder.gep(mbase, [builder.mul(g.load_id(mia, edge.k), ms)])
                     for j, ((o, lanes), a) in enumerate(zip(pieces, accs)):
-                        val = edge.message(o, lanes, wcols[j])
+                        val = edge.message(o, lanes, wcols[j], wop)
                         if masked:
                             word = builder.load(builder.bitcast(builder.gep(mrow, [mcols[j]]),
                                                                 i32.as_pointer()))
@@ -410,11 +457,14 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, M, 
                                 val, ir.Constant(val.type, None))
                         builder.store(builder.fadd(builder.load(a), val), a)
 
+            # one edge loop per weight op: a sum's loop body is a few instructions per piece, so
+            # these cost little compile time; the op picked per edge (messages) made u_mul_e/sum
+            # 7-16% slower (median time, uniform 200K / 3M, F = 64, 3 A/B runs)
             with builder.if_else(g.weighted) as (then, otherwise):
                 with then:
-                    edge_loop(True)
+                    _ir_by_op(builder, op_, edge_loop)
                 with otherwise:
-                    edge_loop(False)
+                    edge_loop(None)
             for (o, lanes), a in zip(pieces, accs):
                 builder.store(builder.load(a), g.vptr(orow, intp(o), lanes), align=isz)
 
@@ -428,14 +478,14 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, M, 
 
 
 @intrinsic
-def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, B, kpos, is_max,
-                 with_arg):
-    """Fold the messages ``X[ids[k], f]`` (each times ``W[wids[k], f // inner]`` if ``inner`` > 0,
-    as in :func:`_tile_sum`) of the edges k in beg:end into ``out[v, f]`` by max (``is_max``) or
-    min, for every f < ``out.shape[1]``, and their winning CSR positions into ``B[f]`` (stored
-    with ``with_arg``). ``out[v]`` and ``B`` hold the running state on entry (-inf/+inf and the
-    row's first position before the first edge); the CSR position of k is ``kpos[k]``, or k
-    itself if ``kpos`` is empty.
+def _tile_maxmin(typingctx, X, ids, W, wids, inner, op, beg, end, out, v, pf, pend, B, kpos,
+                 is_max, with_arg):
+    """Fold the messages ``X[ids[k], f]`` (each combined by ``op`` with ``W[wids[k], f //
+    inner]`` if ``inner`` > 0, as in :func:`_tile_sum`) of the edges k in beg:end into ``out[v,
+    f]`` by max (``is_max``) or min, for every f < ``out.shape[1]``, and their winning CSR
+    positions into ``B[f]`` (stored with ``with_arg``). ``out[v]`` and ``B`` hold the running
+    state on entry (-inf/+inf and the row's first position before the first edge); the CSR
+    position of k is ``kpos[k]``, or k itself if ``kpos`` is empty.
 
     Same rule as :func:`_take`, so the same bits: an edge wins an element when it beats the
     running value strictly or is the first NaN; the running value is llvm.maximum/minimum
@@ -452,21 +502,21 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
             and isinstance(B, types.Array) and isinstance(B.dtype, types.Integer)
             and isinstance(kpos, types.Array)):
         return None
-    sig = types.void(X, ids, W, wids, inner, beg, end, out, v, pf, pend, B, kpos, is_max,
+    sig = types.void(X, ids, W, wids, inner, op, beg, end, out, v, pf, pend, B, kpos, is_max,
                      with_arg)
 
     def codegen(context, builder, sig, args):
         intp = context.get_value_type(types.intp)
-        inner_, beg_, end_, v_, pf_, pend_ = [
-            context.cast(builder, args[i], sig.args[i], types.intp) for i in (4, 5, 6, 8, 9, 10)]
+        inner_, op_, beg_, end_, v_, pf_, pend_ = [context.cast(
+            builder, args[i], sig.args[i], types.intp) for i in (4, 5, 6, 7, 9, 10, 11)]
         g = _IRGather(context, builder, sig, args, inner_)
         fty, isz = g.fty, g.isz
-        pty = context.get_data_type(sig.args[11].dtype)
+        pty = context.get_data_type(sig.args[12].dtype)
         psz = context.get_abi_sizeof(pty)
         oa, ba, ka = [context.make_array(sig.args[i])(context, builder, args[i])
-                      for i in (7, 11, 12)]
-        is_max_ = context.cast(builder, args[13], sig.args[13], types.boolean)
-        with_arg_ = context.cast(builder, args[14], sig.args[14], types.boolean)
+                      for i in (8, 12, 13)]
+        is_max_ = context.cast(builder, args[14], sig.args[14], types.boolean)
+        with_arg_ = context.cast(builder, args[15], sig.args[15], types.boolean)
         remap = builder.icmp_signed(">", cgutils.unpack_tuple(builder, ka.shape)[0], intp(0))
         obase = _ir_row(builder, oa, v_)
         bbase = g.base(ba)
@@ -494,13 +544,15 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
                     g.vptr(brow, intp(o // isz * psz), lanes, pty), align=psz))
                     for o, lanes in pieces]
 
-            def edge_loop(with_weight, maxing):
-                with g.edges(beg_, end_, pf_, pend_, cbytes, nbytes, with_weight) as edge:
+            def edge_loop(wop, maxing):
+                # wop: None unweighted, MUL, or ANY_OP (the op chosen per edge, see messages)
+                with g.edges(beg_, end_, pf_, pend_, cbytes, nbytes, wop is not None) as edge:
                     if track:
                         pos = builder.select(remap, g.load_id(ka, edge.k), edge.k)
                         j = builder.trunc(pos, pty) if psz < 8 else pos
-                    for i, ((o, lanes), a, wcol) in enumerate(zip(pieces, vals, wcols)):
-                        x = edge.message(o, lanes, wcol)
+                    msgs = edge.messages(pieces, wcols, op_) if wop == ANY_OP else None
+                    for i, ((o, lanes), a) in enumerate(zip(pieces, vals)):
+                        x = msgs[i] if msgs else edge.message(o, lanes, wcols[i], wop)
                         cur = builder.load(a)
                         if track:
                             at = builder.load(poss[i])
@@ -517,13 +569,22 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, beg, end, out, v, pf, pend, 
                         builder.store(builder.call(fold("maximum" if maxing else "minimum",
                                                         lanes), [cur, x]), a)
 
-            for with_weight, maxing in itertools.product((True, False), repeat=2):
-                cond = builder.and_(
-                    builder.icmp_unsigned("==", g.weighted,
-                                          ir.Constant(g.weighted.type, with_weight)),
-                    builder.icmp_unsigned("==", is_max_, ir.Constant(is_max_.type, maxing)))
-                with builder.if_then(cond):
-                    edge_loop(with_weight, maxing)
+            # u_mul_e (GAT's, GCN's weights) has an edge loop of its own; u_add_e, u_sub_e and
+            # u_div_e share one that picks the op per edge (a loop each would double the compile
+            # time; u_mul_e through the shared one was 3-18% slower in 5 A/B runs)
+            for maxing in (True, False):
+                with builder.if_then(builder.icmp_unsigned(
+                        "==", is_max_, ir.Constant(is_max_.type, maxing))):
+                    with builder.if_else(g.weighted) as (then, otherwise):
+                        with then:
+                            with builder.if_else(builder.icmp_signed(
+                                    "==", op_, intp(MUL))) as (is_mul, other):
+                                with is_mul:
+                                    edge_loop(MUL, maxing)
+                                with other:
+                                    edge_loop(ANY_OP, maxing)
+                        with otherwise:
+                            edge_loop(None, maxing)
             for i, (o, lanes) in enumerate(pieces):
                 builder.store(builder.load(vals[i]), g.vptr(orow, intp(o), lanes), align=isz)
                 if track:
@@ -598,12 +659,14 @@ def _spmm_sum_part(r0, r1, base, first, mean, indptr, bptr, indices, eids, U, W,
         if first:
             for f in range(lo):
                 orow[f] = 0
+        # (one call per layout: the copies' constant inner = 0 leaves them only the unweighted
+        # edge loop; copy_u/sum through one shared call was 3-9% slower at F = 64)
         if mode == M_COPY_U:
-            _tile_sum(U, indices, W, eids, 0, beg, end, out, v, pf, pend, None, None)
+            _tile_sum(U, indices, W, eids, 0, op, beg, end, out, v, pf, pend, None, None)
         elif mode == M_COPY_E:
-            _tile_sum(W, eids, W, eids, 0, beg, end, out, v, pf, pend, None, None)
-        elif tile:  # u_mul_e with weights the tiles take (see _tile_weights)
-            _tile_sum(U, indices, W, eids, inner, beg, end, out, v, pf, pend, None, None)
+            _tile_sum(W, eids, W, eids, 0, op, beg, end, out, v, pf, pend, None, None)
+        elif tile:  # u_mul_e ... u_div_e with weights the tiles take (see _tile_weights)
+            _tile_sum(U, indices, W, eids, inner, op, beg, end, out, v, pf, pend, None, None)
         elif mode == M_BLOCK_E:
             nb = lo // inner
             for k in range(beg, end):
@@ -1003,13 +1066,13 @@ def _spmm_maxmin(parts, indptr, bptr, nblk, indices, eids, kpos, U, W, out, won,
     instead of an arg row. Winning positions are kept as absolute CSR positions in ``best``:
     part p's scratch row ``best[p]`` unblocked, or one row per destination when ``nblk`` > 1.
 
-    With ``tile`` (copy_u, copy_e, and u_mul_e with one weight per edge or per head of whole
-    vectors: see :func:`spmm`), rows run in register tiles (:func:`_tile_maxmin`), in ``nblk``
-    source blocks as :func:`_spmm_sum` (layout
-    in ``bptr``, ``indices``, ``eids``; ``kpos`` maps a blocked position to its CSR position, and
-    is empty unblocked): each block pass folds into the output row and its winners, and a tie
-    goes to the smaller CSR position, so the winner is the same edge in any block order. The
-    other layouts run unblocked through :func:`_take` (same rule).
+    With ``tile`` (copy_u, copy_e, and u_mul_e ... u_div_e with one weight per edge or per head
+    of whole vectors: see :func:`spmm`), rows run in register tiles (:func:`_tile_maxmin`), in
+    ``nblk`` source blocks as :func:`_spmm_sum` (layout in ``bptr``, ``indices``, ``eids``;
+    ``kpos`` maps a blocked position to its CSR position, and is empty unblocked): each block
+    pass folds into the output row and its winners, and a tie goes to the smaller CSR position,
+    so the winner is the same edge in any block order. The other layouts run unblocked through
+    :func:`_take` (same rule).
     """
     lo = out.shape[1]
     lu = U.shape[1]
@@ -1044,8 +1107,8 @@ def _spmm_maxmin(parts, indptr, bptr, nblk, indices, eids, kpos, U, W, out, won,
                     continue
                 if tile:
                     _tile_maxmin(X, eids if mode == M_COPY_E else indices, W, eids,
-                                 inner if mode == M_BLOCK_E else 0, beg, end, out, v, pf, pend,
-                                 brow, kpos, is_max, with_arg)
+                                 inner if mode == M_BLOCK_E else 0, op, beg, end, out, v, pf,
+                                 pend, brow, kpos, is_max, with_arg)
                 else:
                     _maxmin_generic(beg, end, pend, indices, eids, U, W, orow, brow, buf, jz, op,
                                     mode, inner, loff, roff, is_max, with_arg, pf, lu, lw, uline)
@@ -1072,8 +1135,9 @@ def _mark_winners(won, beg, end, brow):
 @njit(inline="always")
 def _maxmin_generic(beg, end, pend, indices, eids, U, W, orow, brow, buf, jz, op, mode, inner,
                     loff, roff, is_max, with_arg, pf, lu, lw, uline):
-    """One row of :func:`_spmm_maxmin` for the layouts without register tiles (ops other than
-    u_mul_e, other broadcasts, heads of other widths): form each message, then fold it in."""
+    """One row of :func:`_spmm_maxmin` for the layouts without register tiles (broadcasts other
+    than one weight per edge or head, heads of other widths): form each message, then fold it
+    in."""
     one = orow.dtype.type(1)
     for k in range(beg, end):
         if k + pf < pend:
@@ -1140,10 +1204,11 @@ def _maxmin_grad_u(tparts, tbptr, nblk, tindices, teids, tpos, won, G, W, GU, op
     :func:`_spmm_sum`, over the transposed CSR): a block's G rows, and its ``won`` words (the
     forward CSR keeps a destination's edges together), stay cached while it runs.
 
-    With ``tile`` (u's row is the output row, and the gradient is G's element, times one weight
-    per edge or head of ``inner`` features if ``inner`` > 0), each edge adds its whole G row with
-    the lanes it lost masked to zero, in register tiles (:func:`_tile_sum`): a dense vector add per
-    edge costs less than visiting the set bits one by one, whose count per edge is unpredictable.
+    With ``tile`` (u's row is the output row, and the gradient is G's element, times or over
+    (``op`` MUL or DIV) one weight per edge or head of ``inner`` features if ``inner`` > 0), each
+    edge adds its whole G row with the lanes it lost masked to zero, in register tiles
+    (:func:`_tile_sum`): a dense vector add per edge costs less than visiting the set bits one by
+    one, whose count per edge is unpredictable.
     """
     nw = won.shape[1]
     lg = G.shape[1]
@@ -1161,8 +1226,8 @@ def _maxmin_grad_u(tparts, tbptr, nblk, tindices, teids, tpos, won, G, W, GU, op
                     for f in range(lu):
                         gurow[f] = 0
                 if tile:
-                    _tile_sum(G, tindices, W, teids, inner, tbptr[base + s], tbptr[base + s + 1],
-                              GU, s, pf, pend, won, tpos)
+                    _tile_sum(G, tindices, W, teids, inner, op, tbptr[base + s],
+                              tbptr[base + s + 1], GU, s, pf, pend, won, tpos)
                     continue
                 for kt in range(tbptr[base + s], tbptr[base + s + 1]):
                     if kt + pf < pend:
@@ -1585,10 +1650,10 @@ def _block_inner(fu, fe, fo):
 
 
 def _tile_weights(inner, lo, itemsize):
-    """Whether u_mul_e weights constant over blocks of ``inner`` features of an ``lo``-wide row
-    suit the register tiles: one weight per edge (GCN's edge weights), or per head of whole
-    32-byte vectors (GAT's aggregation, u [N, H, F] * e [E, H, 1] with F a multiple of 8 in
-    float32), so that no tile piece spans two heads."""
+    """Whether edge weights constant over blocks of ``inner`` features of an ``lo``-wide row
+    (u_mul_e, u_add_e, u_sub_e, u_div_e) suit the register tiles: one weight per edge (GCN's
+    edge weights), or per head of whole 32-byte vectors (GAT's aggregation, u [N, H, F] * e [E,
+    H, 1] with F a multiple of 8 in float32), so that no tile piece spans two heads."""
     return inner == lo or inner % (32 // itemsize) == 0
 
 
@@ -1621,7 +1686,7 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     out = torch.empty((csr.num_dst, lo), dtype=dtype)
     pf = _prefetch_distance((U.shape[1] if U is not None else 1) * out.element_size())
     op = _CODE[binop]
-    tile = mode in (M_COPY_U, M_COPY_E) or (mode == M_BLOCK_E and binop == "mul" and
+    tile = mode in (M_COPY_U, M_COPY_E) or (mode == M_BLOCK_E and
                                             _tile_weights(inner, lo, out.element_size()))
     if reduce in ("sum", "mean"):
         nblk = 1
@@ -1734,7 +1799,7 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
         tbptr, tindices, teids = _blocked(t, nblk)
         gu = torch.empty((csr.num_src, math.prod(fu)), dtype=g.dtype)
         inner = 0
-        if binop == "mul":
+        if binop in ("mul", "div"):  # the gradient is G's element times / over the weight
             inner = _block_inner(fu, fe, fo)
             tile = inner is not None and _tile_weights(inner, G.shape[1], G.itemsize)
         else:

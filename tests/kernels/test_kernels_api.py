@@ -147,3 +147,32 @@ def test_backward_reuses_the_live_csr_under_saved_tensor_hooks(monkeypatch):
         dense[d, s] += 1
     expect = dense.T @ (2 * (dense @ u.detach()))
     torch.testing.assert_close(u.grad, expect)
+
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("op", ["u_add_e", "u_sub_e"])
+def test_add_gradient_wrt_an_edge_weight_sums_per_destination_first(monkeypatch, backend, op):
+    """d/de of u_add_e / u_sub_e with one weight per edge (or head) is each edge's destination
+    row of g summed over the features e is broadcast along: the kernel gathers the per-destination
+    sums ([N, H, 1]), never an [E, H, F] copy of g (8.6 GB on R-MAT scale 21 at F = 64)."""
+    from kernels import _backend
+
+    mod = _backend._load(backend)
+    seen = []
+    real = mod.sddmm
+    monkeypatch.setattr(mod, "sddmm", lambda csr, op_, lhs, *a: seen.append(
+        (op_, tuple(lhs.shape))) or real(csr, op_, lhs, *a))
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 30, (200,), generator=gen)
+    dst = torch.randint(0, 30, (200,), generator=gen)
+    csr = CSR.from_coo(src, dst, 30)
+    u = torch.randn(30, 2, 5, dtype=torch.float64, generator=gen)
+    e = torch.randn(200, 2, 1, dtype=torch.float64, generator=gen, requires_grad=True)
+    g = torch.randn(30, 2, 5, dtype=torch.float64, generator=gen)
+    (got,) = torch.autograd.grad(kernels.gspmm(csr, op, "sum", u=u, e=e, backend=backend), e, g)
+    assert seen == [("copy_lhs", (30, 2, 1))]
+    msg = u[src] + e if op == "u_add_e" else u[src] - e
+    ref = torch.zeros(30, 2, 5, dtype=torch.float64).index_add(0, dst, msg)
+    (want,) = torch.autograd.grad(ref, e, g)
+    torch.testing.assert_close(got, want)

@@ -1,7 +1,7 @@
 """Register-tile paths of the numba CPU backend across row widths.
 
-- The sum/mean g-SpMM gathers copy_u, copy_e and u_mul_e (one weight per edge, or per head of
-  whole 32-byte vectors) through ``_tile_sum``, whose tile ladder (256/128/64/32 bytes, then one
+- The sum/mean g-SpMM gathers copy_u, copy_e and u_mul_e / u_add_e / u_sub_e / u_div_e (one
+  weight per edge, or per head of whole 32-byte vectors) through ``_tile_sum``, whose tile ladder (256/128/64/32 bytes, then one
   tail tile of 4-28 bytes, chosen per row in the intrinsic's IR) has a separate code path for
   every row width modulo 64 elements.
 - The g-SDDMM dot products go through ``_dot`` (32-byte chunks, then a scalar tail).
@@ -24,6 +24,7 @@ from kernels import _numba_cpu
 from kernels_testutil import rand, ref_gsddmm, ref_gspmm
 
 WIDTHS = list(range(1, 19)) + [24, 31, 32, 33, 40, 64, 72, 100, 129]
+WEIGHT_OPS = ["u_mul_e", "u_add_e", "u_sub_e", "u_div_e"]
 
 
 def _graph(index_dtype):
@@ -47,11 +48,13 @@ def test_gspmm_sum_widths(monkeypatch, nblk, dtype, index_dtype):
     csr = _graph(index_dtype)
     for f in WIDTHS:
         u = rand((csr.num_src, f), dtype, f)
-        cases = [("copy_u", u, None), ("copy_e", None, rand((csr.num_edges, f), dtype, f + 1)),
-                 ("u_mul_e", u, rand((csr.num_edges, 1), dtype, f + 2))]
-        if f % 8 == 0 and f >= 16:  # per-head weights: heads of 8 features (whole vectors)
-            h = f // 8
-            cases.append(("u_mul_e", u.reshape(-1, h, 8), rand((csr.num_edges, h, 1), dtype, f)))
+        cases = [("copy_u", u, None), ("copy_e", None, rand((csr.num_edges, f), dtype, f + 1))]
+        for i, op in enumerate(WEIGHT_OPS):
+            cases.append((op, u, rand((csr.num_edges, 1), dtype, f + 2 + i, positive=True)))
+            if f % 8 == 0 and f >= 16:  # per-head weights: heads of 8 features (whole vectors)
+                h = f // 8
+                cases.append((op, u.reshape(-1, h, 8),
+                              rand((csr.num_edges, h, 1), dtype, f + i, positive=True)))
         for op, x, e in cases:
             for reduce in ("sum", "mean"):
                 got = kernels.gspmm(csr, op, reduce, u=x, e=e, backend="numba")
@@ -59,17 +62,18 @@ def test_gspmm_sum_widths(monkeypatch, nblk, dtype, index_dtype):
                 assert torch.allclose(got, want, **_tol(dtype)), (op, reduce, f)
 
 
+@pytest.mark.parametrize("op", WEIGHT_OPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_per_head_weights_take_the_tile_path(monkeypatch, dtype):
+def test_per_head_weights_take_the_tile_path(monkeypatch, op, dtype):
     """Heads whose width is a whole number of vectors use the tile path, others the generic
     loop; both agree with the reference (the per-head weight index is the tile's own math)."""
     csr = _graph(torch.int32)
     lanes = 32 // torch.empty((), dtype=dtype).element_size()
     for inner in (lanes, 2 * lanes, 3, lanes + 1):
         u = rand((csr.num_src, 3, inner), dtype, inner)
-        e = rand((csr.num_edges, 3, 1), dtype, inner + 1)
-        got = kernels.gspmm(csr, "u_mul_e", "sum", u=u, e=e, backend="numba")
-        assert torch.allclose(got, ref_gspmm(csr, "u_mul_e", "sum", u, e), **_tol(dtype))
+        e = rand((csr.num_edges, 3, 1), dtype, inner + 1, positive=True)
+        got = kernels.gspmm(csr, op, "sum", u=u, e=e, backend="numba")
+        assert torch.allclose(got, ref_gspmm(csr, op, "sum", u, e), **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -85,19 +89,23 @@ def test_gsddmm_dot_widths(dtype):
         assert torch.allclose(got, ref_gsddmm(csr, "u_dot_e", u=u, e=e), **_tol(dtype)), f
 
 
-def test_tile_sum_is_bitwise_the_sequential_sum():
+@pytest.mark.parametrize("op", WEIGHT_OPS)
+def test_tile_sum_is_bitwise_the_sequential_sum(op):
     """Each lane adds its edges one by one in CSR order, as a plain loop does: the tile path's
-    float32 result equals a sequential float32 accumulation bit for bit."""
+    float32 result equals a sequential float32 accumulation of the rounded messages bit for
+    bit."""
+    combine = {"u_mul_e": torch.mul, "u_add_e": torch.add, "u_sub_e": torch.sub,
+               "u_div_e": torch.div}[op]
     csr = _graph(torch.int32)
     u = rand((csr.num_src, 37), torch.float32, 7)
-    w = rand((csr.num_edges, 1), torch.float32, 8)
-    got = kernels.gspmm(csr, "u_mul_e", "sum", u=u, e=w, backend="numba")
+    w = rand((csr.num_edges, 1), torch.float32, 8, positive=True)
+    got = kernels.gspmm(csr, op, "sum", u=u, e=w, backend="numba")
     indptr, indices, eids = csr.indptr.tolist(), csr.indices.tolist(), csr.eids.tolist()
     want = torch.zeros(csr.num_dst, 37, dtype=torch.float32)
     for v in range(csr.num_dst):
         acc = torch.zeros(37, dtype=torch.float32)
         for k in range(indptr[v], indptr[v + 1]):
-            acc = acc + u[indices[k]] * w[eids[k]]
+            acc = acc + combine(u[indices[k]], w[eids[k]])
         want[v] = acc
     assert torch.equal(got, want)
 
@@ -163,9 +171,10 @@ def test_fused_mul_grads_deterministic():
 def test_gspmm_maxmin_widths_match_torch_exactly(monkeypatch, nblk, dtype, index_dtype):
     """Small integer values make ties frequent: values and gradients must equal the torch
     backend's bit for bit at every width (one winner per element, the smallest edge id; integer
-    gradients keep the sums exact in any order). Covers the register-tile forward and the masked
-    tile gradient w.r.t. u (copy_u, u_add_e with u's shape = the output's, u_mul_e with one weight
-    per edge or per head of whole vectors) and the generic paths beside them."""
+    gradients keep the sums exact in any order; weights 1 and 2 keep u_div_e exact). Covers the
+    register-tile forward and the masked tile gradient w.r.t. u (copy_u, and u_mul_e / u_add_e /
+    u_sub_e / u_div_e with one weight per edge or per head of whole vectors) and the generic
+    paths beside them (u_sub_e with a full-width e)."""
     monkeypatch.setattr(_numba_cpu, "_FORCE_BLOCKS", nblk)
     csr = _graph(index_dtype)
     gen = torch.Generator().manual_seed(3)
@@ -174,10 +183,10 @@ def test_gspmm_maxmin_widths_match_torch_exactly(monkeypatch, nblk, dtype, index
         return torch.randint(lo, hi, shape, generator=gen).to(dtype)
 
     for f in WIDTHS:
-        cases = [("copy_u", (f,), None), ("copy_e", None, (f,)), ("u_mul_e", (f,), (1,)),
-                 ("u_add_e", (f,), (1,)), ("u_sub_e", (f,), (f,))]
+        cases = [("copy_u", (f,), None), ("copy_e", None, (f,)), ("u_sub_e", (f,), (f,))]
+        cases += [(op, (f,), (1,)) for op in WEIGHT_OPS]
         if f % 8 == 0 and f >= 16:
-            cases.append(("u_mul_e", (f // 8, 8), (f // 8, 1)))
+            cases += [(op, (f // 8, 8), (f // 8, 1)) for op in ("u_mul_e", "u_div_e")]
         for op, fu, fe in cases:
             u = ints((csr.num_src,) + fu) if fu else None
             e = ints((csr.num_edges,) + fe, 1, 3) if fe else None
