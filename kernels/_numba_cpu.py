@@ -345,9 +345,10 @@ class _IREdge:
         :meth:`raw`), each combined by ``op`` (an intp value: MUL, ADD, SUB, else DIV) with its
         weight (at byte ``wcols[i]`` of W's row), each result rounded as the reference loop's.
         One branch on ``op`` per edge picks the combining instruction for all pieces: it always
-        goes the same way, and emitting the max/min edge loop once per op instead (as
-        :func:`_tile_sum` does) made that kernel's compile time 2.2x; but holding every piece's
-        message at once costs registers, so u_mul_e keeps a loop of its own."""
+        goes the same way, and an edge loop per op instead made the max/min kernel's compile
+        time 2.2x; but holding every piece's message at once costs registers (u_mul_e was 3-18%
+        slower this way than in a loop of its own, median times, uniform 200K / 3M, F = 64, 5
+        A/B runs), so u_mul_e keeps its own (:func:`_ir_edge_loops`)."""
         raws = [self.raw(o, lanes) for o, lanes in pieces]
         b = self.g.b
         ws = [_ir_splat(b, self.weight(wcol), lanes) for wcol, (_, lanes) in zip(wcols, pieces)]
@@ -359,6 +360,29 @@ class _IREdge:
 
         _ir_by_op(b, op, emit)
         return [b.load(slot) for slot in slots]
+
+
+def _ir_edge_loops(builder, weighted, op, edge_loop, all_ops, loop_per_op):
+    """Emit a tile's edge loops, ``edge_loop(wop)`` under the branch where each runs: unweighted
+    (``wop`` None), and weighted: u_mul_e's alone (MUL) unless ``all_ops``; with it, one loop per
+    weight op (``loop_per_op``, :func:`_ir_by_op`) or one that picks the op per edge (ANY_OP, see
+    :meth:`_IREdge.messages`).
+
+    Every loop costs compile time (~0.08 s per loop and tile size in the max/min kernel), so the
+    kernels take ``all_ops`` from an argument's type (see :func:`_spmm_sum`): the specialization
+    for copy and u_mul_e, the common ones, has only their loops; the one for u_add_e, u_sub_e and
+    u_div_e is compiled when first used. Both in one specialization made the benchmark's
+    first-call compile time 92 s instead of 72."""
+    with builder.if_else(weighted) as (then, otherwise):
+        with then:
+            if not all_ops:
+                edge_loop(MUL)
+            elif loop_per_op:
+                _ir_by_op(builder, op, edge_loop)
+            else:
+                edge_loop(ANY_OP)
+        with otherwise:
+            edge_loop(None)
 
 
 def _ir_by_op(builder, op, emit):
@@ -381,12 +405,15 @@ def _ir_by_op(builder, op, emit):
 
 
 @intrinsic
-def _tile_sum(typingctx, X, ids, W, wids, inner, op, beg, end, out, v, pf, pend, M, mids):
+def _tile_sum(typingctx, X, ids, W, wids, inner, op, beg, end, out, v, pf, pend, M, mids,
+              wops):
     """``out[v, f] += sum over k in beg:end of X[ids[k], f]`` for every f < ``out.shape[1]``:
 
-    - each term combined with ``W[wids[k], f // inner]`` by ``op`` (MUL, ADD, SUB or DIV: the
-      u_mul_e ... u_div_e messages) if ``inner`` > 0 (one weight per edge, or per head of
-      ``inner`` features; every 32-byte piece of a tile must lie in one head);
+    - each term combined with ``W[wids[k], f // inner]`` by ``op`` if ``inner`` > 0 (one weight
+      per edge, or per head of ``inner`` features; every 32-byte piece of a tile must lie in one
+      head): MUL if ``wops`` is None, else MUL, ADD, SUB or DIV (the u_mul_e ... u_div_e
+      messages; ``wops``, None or an integer, picks the code generated, see
+      :func:`_ir_edge_loops`);
     - if ``M`` is not None, only the terms whose bit ``f & 31`` of ``M[mids[k], f >> 5]`` is set
       (the max/min backward: the output elements the edge won);
     - with the rows of X (and W, M) prefetched ``pf`` edges ahead, below ``pend``.
@@ -404,8 +431,9 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, op, beg, end, out, v, pf, pend,
             and (M is types.none or isinstance(M, types.Array) and M.ndim == 2
                  and M.dtype in (types.uint32, types.int32))):
         return None
-    sig = types.void(X, ids, W, wids, inner, op, beg, end, out, v, pf, pend, M, mids)
+    sig = types.void(X, ids, W, wids, inner, op, beg, end, out, v, pf, pend, M, mids, wops)
     masked = M is not types.none
+    all_ops = wops is not types.none
 
     def codegen(context, builder, sig, args):
         intp = context.get_value_type(types.intp)
@@ -441,7 +469,7 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, op, beg, end, out, v, pf, pend,
                     g.prefetch(builder.gep(mbase, [builder.add(
                         builder.mul(g.load_id(mia, kp), ms), mcols[0])]))
 
-            def edge_loop(wop):  # wop: the weight's op (a Python int), None unweighted
+            def edge_loop(wop):  # see _ir_edge_loops
                 with g.edges(beg_, end_, pf_, pend_, cbytes, nbytes, wop is not None,
                              prefetch) as edge:
                     if masked:
@@ -457,14 +485,8 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, op, beg, end, out, v, pf, pend,
                                 val, ir.Constant(val.type, None))
                         builder.store(builder.fadd(builder.load(a), val), a)
 
-            # one edge loop per weight op: a sum's loop body is a few instructions per piece, so
-            # these cost little compile time; the op picked per edge (messages) made u_mul_e/sum
-            # 7-16% slower (median time, uniform 200K / 3M, F = 64, 3 A/B runs)
-            with builder.if_else(g.weighted) as (then, otherwise):
-                with then:
-                    _ir_by_op(builder, op_, edge_loop)
-                with otherwise:
-                    edge_loop(None)
+            # a sum's loop body is a few instructions per piece: one loop per op costs little
+            _ir_edge_loops(builder, g.weighted, op_, edge_loop, all_ops, loop_per_op=True)
             for (o, lanes), a in zip(pieces, accs):
                 builder.store(builder.load(a), g.vptr(orow, intp(o), lanes), align=isz)
 
@@ -479,13 +501,13 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, op, beg, end, out, v, pf, pend,
 
 @intrinsic
 def _tile_maxmin(typingctx, X, ids, W, wids, inner, op, beg, end, out, v, pf, pend, B, kpos,
-                 is_max, with_arg):
+                 is_max, with_arg, wops):
     """Fold the messages ``X[ids[k], f]`` (each combined by ``op`` with ``W[wids[k], f //
-    inner]`` if ``inner`` > 0, as in :func:`_tile_sum`) of the edges k in beg:end into ``out[v,
-    f]`` by max (``is_max``) or min, for every f < ``out.shape[1]``, and their winning CSR
-    positions into ``B[f]`` (stored with ``with_arg``). ``out[v]`` and ``B`` hold the running
-    state on entry (-inf/+inf and the row's first position before the first edge); the CSR
-    position of k is ``kpos[k]``, or k itself if ``kpos`` is empty.
+    inner]`` if ``inner`` > 0, as in :func:`_tile_sum`, ``wops`` too) of the edges k in beg:end
+    into ``out[v, f]`` by max (``is_max``) or min, for every f < ``out.shape[1]``, and their
+    winning CSR positions into ``B[f]`` (stored with ``with_arg``). ``out[v]`` and ``B`` hold
+    the running state on entry (-inf/+inf and the row's first position before the first edge);
+    the CSR position of k is ``kpos[k]``, or k itself if ``kpos`` is empty.
 
     Same rule as :func:`_take`, so the same bits: an edge wins an element when it beats the
     running value strictly or is the first NaN; the running value is llvm.maximum/minimum
@@ -503,7 +525,8 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, op, beg, end, out, v, pf, pe
             and isinstance(kpos, types.Array)):
         return None
     sig = types.void(X, ids, W, wids, inner, op, beg, end, out, v, pf, pend, B, kpos, is_max,
-                     with_arg)
+                     with_arg, wops)
+    all_ops = wops is not types.none
 
     def codegen(context, builder, sig, args):
         intp = context.get_value_type(types.intp)
@@ -544,8 +567,7 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, op, beg, end, out, v, pf, pe
                     g.vptr(brow, intp(o // isz * psz), lanes, pty), align=psz))
                     for o, lanes in pieces]
 
-            def edge_loop(wop, maxing):
-                # wop: None unweighted, MUL, or ANY_OP (the op chosen per edge, see messages)
+            def edge_loop(wop, maxing):  # wop: see _ir_edge_loops
                 with g.edges(beg_, end_, pf_, pend_, cbytes, nbytes, wop is not None) as edge:
                     if track:
                         pos = builder.select(remap, g.load_id(ka, edge.k), edge.k)
@@ -569,22 +591,11 @@ def _tile_maxmin(typingctx, X, ids, W, wids, inner, op, beg, end, out, v, pf, pe
                         builder.store(builder.call(fold("maximum" if maxing else "minimum",
                                                         lanes), [cur, x]), a)
 
-            # u_mul_e (GAT's, GCN's weights) has an edge loop of its own; u_add_e, u_sub_e and
-            # u_div_e share one that picks the op per edge (a loop each would double the compile
-            # time; u_mul_e through the shared one was 3-18% slower in 5 A/B runs)
             for maxing in (True, False):
                 with builder.if_then(builder.icmp_unsigned(
                         "==", is_max_, ir.Constant(is_max_.type, maxing))):
-                    with builder.if_else(g.weighted) as (then, otherwise):
-                        with then:
-                            with builder.if_else(builder.icmp_signed(
-                                    "==", op_, intp(MUL))) as (is_mul, other):
-                                with is_mul:
-                                    edge_loop(MUL, maxing)
-                                with other:
-                                    edge_loop(ANY_OP, maxing)
-                        with otherwise:
-                            edge_loop(None, maxing)
+                    _ir_edge_loops(builder, g.weighted, op_, lambda wop: edge_loop(wop, maxing),
+                                   all_ops, loop_per_op=False)
             for i, (o, lanes) in enumerate(pieces):
                 builder.store(builder.load(vals[i]), g.vptr(orow, intp(o), lanes), align=isz)
                 if track:
@@ -646,7 +657,7 @@ def _dot(typingctx, A, i, B, j, n):
 
 @njit(inline="always")
 def _spmm_sum_part(r0, r1, base, first, mean, indptr, bptr, indices, eids, U, W, out, op, mode,
-                   inner, loff, roff, tile, pf, lo, lu, lw, uline):
+                   inner, loff, roff, tile, pf, lo, lu, lw, uline, wops):
     """Rows r0:r1 of one block pass of :func:`_spmm_sum` (zeroing first, dividing by the full
     in-degree for the mean last)."""
     # Source rows are random reads: prefetch the row pf edges ahead, across row
@@ -662,11 +673,12 @@ def _spmm_sum_part(r0, r1, base, first, mean, indptr, bptr, indices, eids, U, W,
         # (one call per layout: the copies' constant inner = 0 leaves them only the unweighted
         # edge loop; copy_u/sum through one shared call was 3-9% slower at F = 64)
         if mode == M_COPY_U:
-            _tile_sum(U, indices, W, eids, 0, op, beg, end, out, v, pf, pend, None, None)
+            _tile_sum(U, indices, W, eids, 0, op, beg, end, out, v, pf, pend, None, None, None)
         elif mode == M_COPY_E:
-            _tile_sum(W, eids, W, eids, 0, op, beg, end, out, v, pf, pend, None, None)
+            _tile_sum(W, eids, W, eids, 0, op, beg, end, out, v, pf, pend, None, None, None)
         elif tile:  # u_mul_e ... u_div_e with weights the tiles take (see _tile_weights)
-            _tile_sum(U, indices, W, eids, inner, op, beg, end, out, v, pf, pend, None, None)
+            _tile_sum(U, indices, W, eids, inner, op, beg, end, out, v, pf, pend, None, None,
+                      wops)
         elif mode == M_BLOCK_E:
             nb = lo // inner
             for k in range(beg, end):
@@ -705,8 +717,13 @@ def _spmm_sum_part(r0, r1, base, first, mean, indptr, bptr, indices, eids, U, W,
 
 @njit(parallel=True, cache=True, nogil=True)
 def _spmm_sum(parts, indptr, bptr, nblk, indices, eids, U, W, out, op, mode, inner, loff, roff,
-              tile, mean, pf):
+              tile, mean, pf, wops):
     """sum/mean g-SpMM over ``nblk`` source blocks (see :func:`_block_csr`), one after another.
+
+    ``wops`` is None for copy_u, copy_e and u_mul_e, 0 for the other ops: its type picks the
+    compiled specialization, whose register tiles then have code for those ops only (see
+    :func:`_ir_edge_loops`). The same holds for :func:`_spmm_maxmin` and
+    :func:`_maxmin_grad_u`.
 
     Block b's in-edges of row v sit at positions ``bptr[b * num_dst + v] : bptr[b * num_dst + v
     + 1]`` of ``indices``/``eids``; with one block, ``bptr`` is ``indptr`` and these are the CSR's
@@ -724,7 +741,7 @@ def _spmm_sum(parts, indptr, bptr, nblk, indices, eids, U, W, out, op, mode, inn
         for p in prange(parts.size - 1):
             _spmm_sum_part(parts[p], parts[p + 1], base, blk == 0, mean and blk == nblk - 1, indptr,
                            bptr, indices, eids, U, W, out, op, mode, inner, loff, roff, tile, pf,
-                           lo, lu, lw, uline)
+                           lo, lu, lw, uline, wops)
 
 
 @intrinsic
@@ -1057,7 +1074,7 @@ def _take(is_max, with_arg, orow, brow, m, scale, j, z):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _spmm_maxmin(parts, indptr, bptr, nblk, indices, eids, kpos, U, W, out, won, best, op, mode,
-                 inner, loff, roff, tile, is_max, with_arg, pf):
+                 inner, loff, roff, tile, is_max, with_arg, pf, wops):
     """max/min over each destination's in-edges; with ``with_arg`` also which edge won.
 
     Winners are recorded as a bit mask per CSR position, ``won[k, f >> 5]`` bit ``f & 31`` set
@@ -1108,7 +1125,7 @@ def _spmm_maxmin(parts, indptr, bptr, nblk, indices, eids, kpos, U, W, out, won,
                 if tile:
                     _tile_maxmin(X, eids if mode == M_COPY_E else indices, W, eids,
                                  inner if mode == M_BLOCK_E else 0, op, beg, end, out, v, pf,
-                                 pend, brow, kpos, is_max, with_arg)
+                                 pend, brow, kpos, is_max, with_arg, wops)
                 else:
                     _maxmin_generic(beg, end, pend, indices, eids, U, W, orow, brow, buf, jz, op,
                                     mode, inner, loff, roff, is_max, with_arg, pf, lu, lw, uline)
@@ -1194,7 +1211,7 @@ def _maxmin_grad_e(parts, indptr, indices, eids, won, G, U, W, GE, op, loff, rof
 
 @njit(parallel=True, cache=True, nogil=True)
 def _maxmin_grad_u(tparts, tbptr, nblk, tindices, teids, tpos, won, G, W, GU, op, loff, roff,
-                   tile, inner, pf):
+                   tile, inner, pf, wops):
     """Gradient of max/min w.r.t. the source operand, in its own shape.
 
     Parallel over SOURCE rows of the transposed CSR: each source sums, over its out-edges in edge
@@ -1227,7 +1244,7 @@ def _maxmin_grad_u(tparts, tbptr, nblk, tindices, teids, tpos, won, G, W, GU, op
                         gurow[f] = 0
                 if tile:
                     _tile_sum(G, tindices, W, teids, inner, op, tbptr[base + s],
-                              tbptr[base + s + 1], GU, s, pf, pend, won, tpos)
+                              tbptr[base + s + 1], GU, s, pf, pend, won, tpos, wops)
                     continue
                 for kt in range(tbptr[base + s], tbptr[base + s + 1]):
                     if kt + pf < pend:
@@ -1657,6 +1674,12 @@ def _tile_weights(inner, lo, itemsize):
     return inner == lo or inner % (32 // itemsize) == 0
 
 
+def _wops(binop, weighted_tiles):
+    """The kernels' ``wops`` argument (see :func:`_spmm_sum`): 0 when weighted register tiles
+    run an op other than u_mul_e's, else None (the specialization without that code)."""
+    return 0 if weighted_tiles and binop != "mul" else None
+
+
 _EMPTY_OFF = np.zeros(1, dtype=np.int64)
 
 
@@ -1688,6 +1711,7 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     op = _CODE[binop]
     tile = mode in (M_COPY_U, M_COPY_E) or (mode == M_BLOCK_E and
                                             _tile_weights(inner, lo, out.element_size()))
+    wops = _wops(binop, tile and mode == M_BLOCK_E)
     if reduce in ("sum", "mean"):
         nblk = 1
         if mode != M_COPY_E and csr.blocking:  # copy_e reads no source rows
@@ -1695,7 +1719,7 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
                                lo * out.element_size(), hot_src=lambda: _hot_sources(csr))
         bptr, bind, beids = _blocked(csr, nblk)
         _launch(_spmm_sum, parts, indptr, bptr, nblk, bind, beids, U, W, out.numpy(), op, mode,
-                inner, loff, roff, tile, reduce == "mean", pf)
+                inner, loff, roff, tile, reduce == "mean", pf, wops)
         arg = None
     else:
         # the register-tile layouts run in source blocks (see _spmm_maxmin), the others unblocked
@@ -1713,7 +1737,7 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
         won = torch.empty((csr.num_edges if need_arg else 0, nwords), dtype=torch.int32)
         _launch(_spmm_maxmin, parts, indptr, bptr, nblk, bind, beids, _block_positions(csr, nblk),
                 U, W, out.numpy(), won.numpy().view(np.uint32), best, op, mode, inner, loff, roff,
-                tile, reduce == "max", need_arg, pf)
+                tile, reduce == "max", need_arg, pf, wops)
         arg = won if need_arg else None
     return out.reshape((csr.num_dst,) + fo), arg
 
@@ -1806,7 +1830,8 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
             tile = binop in ("copy_lhs", "add", "sub") and fu == fo
         _launch(_maxmin_grad_u, tparts, tbptr, nblk, tindices, teids, _fwd_positions(t, csr, nblk),
                 won, G, W, gu.numpy(), op, loff, roff, tile, inner if tile else 0,
-                _prefetch_distance(G.shape[1] * G.itemsize))
+                _prefetch_distance(G.shape[1] * G.itemsize),
+                _wops(binop, tile and binop == "div"))
         gu = gu.reshape((csr.num_src,) + fu)
     if need_rhs:
         parts, indptr, indices, eids = _arrays(csr)
