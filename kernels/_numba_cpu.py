@@ -368,7 +368,7 @@ def _ir_edge_loops(builder, weighted, op, edge_loop, all_ops, loop_per_op):
     weight op (``loop_per_op``, :func:`_ir_by_op`) or one that picks the op per edge (ANY_OP, see
     :meth:`_IREdge.messages`).
 
-    Every loop costs compile time (~0.08 s per loop and tile size in the max/min kernel), so the
+    Every loop costs compile time (~0.15-0.2 s per loop and tile size in the max/min kernel), so the
     kernels take ``all_ops`` from an argument's type (see :func:`_spmm_sum`): the specialization
     for copy and u_mul_e, the common ones, has only their loops; the one for u_add_e, u_sub_e and
     u_div_e is compiled when first used. Both in one specialization made the benchmark's
