@@ -149,7 +149,6 @@ def test_backward_reuses_the_live_csr_under_saved_tensor_hooks(monkeypatch):
     torch.testing.assert_close(u.grad, expect)
 
 
-
 @pytest.mark.parametrize("backend", ["numba", "torch"])
 @pytest.mark.parametrize("op", ["u_add_e", "u_sub_e"])
 def test_add_gradient_wrt_an_edge_weight_sums_per_destination_first(monkeypatch, backend, op):

@@ -1,9 +1,9 @@
 """Register-tile paths of the numba CPU backend across row widths.
 
 - The sum/mean g-SpMM gathers copy_u, copy_e and u_mul_e / u_add_e / u_sub_e / u_div_e (one
-  weight per edge, or per head of whole 32-byte vectors) through ``_tile_sum``, whose tile ladder (256/128/64/32 bytes, then one
-  tail tile of 4-28 bytes, chosen per row in the intrinsic's IR) has a separate code path for
-  every row width modulo 64 elements.
+  weight per edge, or per head of whole 32-byte vectors) through ``_tile_sum``, whose tile
+  ladder (256/128/64/32 bytes, then one tail tile of 4-28 bytes, chosen per row in the
+  intrinsic's IR) has a separate code path for every row width modulo 64 elements.
 - The g-SDDMM dot products go through ``_dot`` (32-byte chunks, then a scalar tail).
 - Both gradients of u_mul_e/sum with one weight per edge go through ``_tile_mul_grad``.
 - The max/min g-SpMM of the same layouts goes through ``_tile_maxmin`` (tiles of at most 128
