@@ -1,11 +1,17 @@
-"""What fresh memory costs a CPU kernel call, with glibc's default malloc and with freed memory
-kept in the process.
+"""What fresh memory costs a CPU kernel call: with every output in fresh pages, with ngra's
+cache of freed kernel outputs (the default), and with glibc keeping freed memory.
 
 glibc serves every allocation above its mmap threshold (at most 32 MiB) from new pages and
 returns them to the OS on free, so each large tensor's first write page-faults on every page.
-With ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=<large>`` in the environment, freed memory stays
-in the process and the next tensor of that size reuses warm pages; resident memory then stays
-at its peak. This script times, in child processes under both settings taking turns:
+Three settings, in child processes taking turns:
+
+- ``fresh``: ``NGRA_KERNEL_OUTPUT_CACHE=0``, every kernel output in new pages;
+- ``ngra output cache``: the default, freed kernel outputs kept for reuse (kernels/_outcache.py;
+  torch's own tensors still get fresh pages);
+- ``glibc keeps freed``: ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=<large>`` and the ngra cache
+  off: every freed allocation stays in the process (resident memory stays at its peak).
+
+Each child times:
 
 - ``touch fresh``: ``torch.empty`` of an F-wide [N, F] float32 tensor, then ``fill_``;
 - ``touch reused``: ``fill_`` of one such tensor allocated before the rounds;
@@ -13,7 +19,7 @@ at its peak. This script times, in child processes under both settings taking tu
   with the minor page faults per call (getrusage).
 
 Medians and best of ``--reps`` calls per child, ``--runs`` children per setting; only the
-ratios between the two settings in this one run mean anything on a shared machine.
+ratios between settings in this one run mean anything on a shared machine.
 
     .venv/bin/python benchmarks/fresh_memory.py
 """
@@ -34,6 +40,7 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 KEEP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(16 << 30)}
+CACHE_ENV = "NGRA_KERNEL_OUTPUT_CACHE"
 
 
 def child(n, e, f, reps):
@@ -84,8 +91,9 @@ def main():
             p.error(f"{name} must be >= 1 (got {v})")
     if a.child:
         return child(a.nodes, a.edges, a.feats, a.reps)
-    base = {k: v for k, v in os.environ.items() if k not in KEEP}
-    settings = {"glibc default": base, "freed memory kept": {**base, **KEEP}}
+    base = {k: v for k, v in os.environ.items() if k not in KEEP and k != CACHE_ENV}
+    settings = {"fresh": {**base, CACHE_ENV: "0"}, "ngra output cache": base,
+                "glibc keeps freed": {**base, **KEEP, CACHE_ENV: "0"}}
     results = {s: [] for s in settings}
     cmd = [sys.executable, __file__, "--child", "--nodes", str(a.nodes), "--edges", str(a.edges),
            "--feats", str(a.feats), "--reps", str(a.reps)]
@@ -112,9 +120,10 @@ def main():
         faults = statistics.median(x for run in runs for x in run["faults"])
         rss = max(run["maxrss_mib"] for run in runs)
         print(f"{s:18} {cols[0]:>20} {cols[1]:>20} {cols[2]:>20} {faults:12.0f} {rss:6.0f} MiB")
-    print("\nmedian ms, freed memory kept / glibc default: " + ", ".join(
-        f"{k} {v['freed memory kept'] / v['glibc default']:.2f}" if v["glibc default"] > 0
-        else f"{k} n/a" for k, v in rows.items()))
+    for s in list(settings)[1:]:
+        print(f"median ms, {s} / fresh: " + ", ".join(
+            f"{k} {v[s] / v['fresh']:.2f}" if v["fresh"] > 0 else f"{k} n/a"
+            for k, v in rows.items()))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ with OpenMP's passive waiting (OMP_WAIT_POLICY=PASSIVE unless the environment sa
 the DGL worker inherits it), so that torch's idle threads do not spin on the cores numba's
 threads need. For the g-SpMM forward, "ngra-numba after torch op" times ngra's call again right
 after a small parallel torch op, as in a model where it follows a dense layer: what handing the
-cores over from torch's pool costs. The machine's copy bandwidth is measured the same way: a
+cores over from torch's pool costs. "ngra-numba fresh output" times it with its cache of freed
+outputs bypassed (kernels/_outcache.py): the output in new pages, page faults included, as the
+other methods' outputs are. The machine's copy bandwidth is measured the same way: a
 256 MiB tensor copy takes its turn in the rounds of every forward case, and each forward kernel
 reports the fraction of that bandwidth it reaches under the fused traffic model:
 
@@ -308,6 +310,9 @@ def method_fns(g, case):
 
 
 AFTER_TORCH_OP = "ngra-numba after torch op"
+# ngra's call with its output in fresh pages (its cache of freed outputs bypassed), as every
+# call was before kernels/_outcache.py, and as the other methods' outputs are
+FRESH_OUTPUT = "ngra-numba fresh output"
 CHECK_ROWS = 256  # rows of each result compared with ngra's (evenly spaced)
 CHECK_TOL = 1e-4  # a larger relative difference is flagged under the floors
 
@@ -355,7 +360,7 @@ def rel_diff(other, ours):
 
 def materializes(method):
     """Whether a method builds per-edge [E, F] message tensors (index_add_, PyG, ...)."""
-    return method not in ("ngra-numba", AFTER_TORCH_OP, "torch.sparse.mm", "DGL")
+    return method not in ("ngra-numba", AFTER_TORCH_OP, FRESH_OUTPUT, "torch.sparse.mm", "DGL")
 
 
 def skip_reason(need, held, limit):
@@ -489,6 +494,12 @@ def time_case(case, fns, dgl, reps, limit, probe=None):
         busy = torch.zeros(min(x["u"].numel() if "u" in x else 1 << 20, 8 << 20))
         local[AFTER_TORCH_OP] = local_runner(fns["ngra-numba"], case, x,
                                              before=lambda: busy.add_(1.0))
+
+        def fresh(inputs, fn=fns["ngra-numba"]):
+            with kernels.no_output_cache():
+                return fn(inputs)
+
+        local[FRESH_OUTPUT] = local_runner(fresh, case, x)
     lean = {m: run for m, run in local.items() if not materializes(m)}
     heavy = {m: run for m, run in local.items() if materializes(m)}
     dgl_need = case_bytes(case, n, e, False)
@@ -551,7 +562,7 @@ def time_case(case, fns, dgl, reps, limit, probe=None):
             pass
     if dgl is not None and dgl.reason and "DGL" not in out:
         out["DGL"] = f"not available ({dgl.reason})"
-    order = list(fns) + [AFTER_TORCH_OP, "DGL"]
+    order = list(fns) + [AFTER_TORCH_OP, FRESH_OUTPUT, "DGL"]
     same = {m: same.get(m) for m in out}  # None: not timed
     return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]))), copy_bw, same, checks
 
@@ -794,6 +805,7 @@ def run_graph(gname, gdir, n, e, cases, dgl, probe, limit, progress, pyg):
         traffic = traffic_bytes(case["kernel"], n, e, f, csr.indices.element_size())
         times, case_bw, same, checks = time_case(case, method_fns(g, case), dgl,
                                                  case["reps"], limit, probe)
+        kernels.empty_output_cache()  # the next case's memory estimate starts from what is used
         load = round(os.getloadavg()[0], 1)
         for method, ms in times.items():
             frac = (traffic / (ms * 1e-3) / case_bw) if isinstance(ms, float) and case_bw \
@@ -836,7 +848,9 @@ def report(rows, bw, jit, dgl_note, threads, reps, out_dir, loads, args_large_re
     plot(rows, png_path)
     large = "" if args_large_reps is None else f" ({args_large_reps} on graphs over 10M edges)"
     print(f"\n{threads} threads, best of {reps}{large}; load average {loads[0]:.1f} at the start, "
-          f"{loads[1]:.1f} at the end; copy bandwidth {bw / 1e9:.1f} GB/s; {dgl_note}")
+          f"{loads[1]:.1f} at the end; copy bandwidth {bw / 1e9:.1f} GB/s; {dgl_note}; ngra's "
+          f"output cache limit {kernels.output_cache_limit() / 2**30:.2f} GiB ('{FRESH_OUTPUT}': "
+          f"the call with the cache bypassed)")
     keys = []
     for r in rows:
         k = (r["graph"], r["kernel"], r["op"], r["reduce"], r["F"], r["pass"])
@@ -902,6 +916,9 @@ def print_floors(rows):
         frac = sub["ngra-numba"].get("fraction of copy bw")
         if k[1:4] == ("copy_u", "sum", 64) and k[4] == "fwd" and frac:
             notes.append(f"bandwidth {frac:4.0%} {'ok' if frac >= 0.5 else 'MISS'}")
+            fresh = sub.get(FRESH_OUTPUT, {}).get("fraction of copy bw")
+            if fresh:
+                notes.append(f"(with a fresh output {fresh:4.0%})")
         for m, r in sub.items():
             chk = r.get("check (max rel diff vs ngra)")
             if isinstance(chk, float) and chk > CHECK_TOL or isinstance(chk, str) and chk:

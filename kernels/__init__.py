@@ -3,6 +3,10 @@
 Backends: ``numba`` (CPU, parallel over destination rows), ``numba_cuda`` (GPU through numba.cuda)
 and ``torch`` (the plain-PyTorch reference). ``backend="auto"`` picks by the tensors' device
 unless :func:`use_backend` / :func:`set_default_backend` override it.
+
+The numba backend takes its large outputs from a cache of freed ones (:func:`output_cache_stats`,
+:func:`set_output_cache_limit`, :func:`empty_output_cache`, :func:`no_output_cache`; see
+``kernels/_outcache.py``), so that a training loop's outputs reuse warm pages.
 """
 
 import os as _os
@@ -18,6 +22,10 @@ if "torch" not in _sys.modules:
 
 from ._api import edge_softmax, gsddmm, gspmm  # noqa: E402
 from ._backend import set_default_backend, use_backend  # noqa: E402
+from ._outcache import (empty_output_cache, no_output_cache, output_cache_limit,  # noqa: E402
+                        output_cache_stats, set_output_cache_limit)
 from .csr import CSR  # noqa: E402
 
-__all__ = ["CSR", "gspmm", "gsddmm", "edge_softmax", "use_backend", "set_default_backend"]
+__all__ = ["CSR", "gspmm", "gsddmm", "edge_softmax", "use_backend", "set_default_backend",
+           "set_output_cache_limit", "output_cache_limit", "output_cache_stats",
+           "empty_output_cache", "no_output_cache"]

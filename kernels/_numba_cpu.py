@@ -40,6 +40,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 from ._ops import bcast_offsets, out_feat_shape
+from ._outcache import CACHE as _CACHE
 
 NAME = "numba"
 DTYPES = (torch.float32, torch.float64)
@@ -1630,15 +1631,16 @@ def _arrays(csr):
     return cache[key]
 
 
-# Kernel outputs are plain torch.empty tensors. A fresh large output is mapped on first touch,
-# one 4 KiB page fault at a time: a [200K, 256] float32 output took 250 ms that way and ~50 ms
-# when madvise asked for 2 MiB pages (THP in "madvise" mode), and until 0aeaa7b outputs did
-# ask. But on this project's machine (a VM) the huge-page outputs made later work slower: a
-# gather from the tensor allocated right after such an output (autograd's output gradient) took
-# a median 1388 ms instead of 602 (R-MAT scale 21, F = 64, 12 alternating rounds), and a 2-layer
-# forward + backward on that graph a median 4391 ms instead of 3360 (6 rounds); single calls'
-# best times were 14-25% better with them (uniform F = 256, R-MAT F = 16). See also
-# benchmarks/fresh_memory.py for what the page faults cost.
+# Kernel outputs and large scratch arrays come from the output cache (_outcache.py): freed ones
+# are kept for the next call of that size, whose writes then hit warm pages instead of taking a
+# 4 KiB page fault each (a [200K, 256] float32 output took 250 ms fresh). Huge pages were the
+# other way tried: ~50 ms for that output when madvise asked for 2 MiB pages (THP in "madvise"
+# mode), and until 0aeaa7b outputs did ask. But on this project's machine (a VM) the huge-page
+# outputs made later work slower: a gather from the tensor allocated right after such an output
+# (autograd's output gradient) took a median 1388 ms instead of 602 (R-MAT scale 21, F = 64, 12
+# alternating rounds), and a 2-layer forward + backward on that graph a median 4391 ms instead
+# of 3360 (6 rounds); single calls' best times were 14-25% better with them (uniform F = 256,
+# R-MAT F = 16). See also benchmarks/fresh_memory.py for what the page faults cost.
 
 
 def _flat(x, rows):
@@ -1706,7 +1708,7 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
         else:
             mode, inner = M_GENERIC, 1
             loff, roff, _ = bcast_offsets(binop, fu, fe, fo)
-    out = torch.empty((csr.num_dst, lo), dtype=dtype)
+    out = _CACHE.empty((csr.num_dst, lo), dtype)
     pf = _prefetch_distance((U.shape[1] if U is not None else 1) * out.element_size())
     op = _CODE[binop]
     tile = mode in (M_COPY_U, M_COPY_E) or (mode == M_BLOCK_E and
@@ -1732,9 +1734,9 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
         # float32 lane count
         pos_dtype = np.int32 if csr.num_edges < 2**31 else np.int64
         rows = (csr.num_dst if nblk > 1 else parts.size - 1) if need_arg else 1
-        best = np.empty((rows, lo), dtype=pos_dtype)
+        best = _CACHE.empty_numpy((rows, lo), pos_dtype)
         nwords = (lo + 31) // 32
-        won = torch.empty((csr.num_edges if need_arg else 0, nwords), dtype=torch.int32)
+        won = _CACHE.empty((csr.num_edges if need_arg else 0, nwords), torch.int32)
         _launch(_spmm_maxmin, parts, indptr, bptr, nblk, bind, beids, _block_positions(csr, nblk),
                 U, W, out.numpy(), won.numpy().view(np.uint32), best, op, mode, inner, loff, roff,
                 tile, reduce == "max", need_arg, pf, wops)
@@ -1758,8 +1760,8 @@ def spmm_mul_grads(csr, g, u, e):
         nblk = _num_blocks(t.num_src, t.num_dst, t.num_edges, row_bytes, row_bytes,
                            hot_src=lambda: _hot_sources(t))
     bptr, bind, beids = _blocked(t, nblk)
-    gu = torch.empty((csr.num_src, lo), dtype=g.dtype)
-    ge = torch.empty((csr.num_edges, 1), dtype=g.dtype)
+    gu = _CACHE.empty((csr.num_src, lo), g.dtype)
+    ge = _CACHE.empty((csr.num_edges, 1), g.dtype)
     _launch(_spmm_mul_grads, parts, bptr, nblk, bind, beids, G, W, U, gu.numpy(), ge.numpy(),
             _prefetch_distance(row_bytes))
     return gu.reshape(u.shape), ge.reshape(e.shape)
@@ -1821,7 +1823,7 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
                            math.prod(fu) * g.element_size(),
                            hot_src=lambda: _hot_sources(t)) if t.blocking else 1
         tbptr, tindices, teids = _blocked(t, nblk)
-        gu = torch.empty((csr.num_src, math.prod(fu)), dtype=g.dtype)
+        gu = _CACHE.empty((csr.num_src, math.prod(fu)), g.dtype)
         inner = 0
         if binop in ("mul", "div"):  # the gradient is G's element times / over the weight
             inner = _block_inner(fu, fe, fo)
@@ -1835,7 +1837,7 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
         gu = gu.reshape((csr.num_src,) + fu)
     if need_rhs:
         parts, indptr, indices, eids = _arrays(csr)
-        ge = torch.zeros((csr.num_edges, math.prod(fe)), dtype=g.dtype)
+        ge = _CACHE.zeros((csr.num_edges, math.prod(fe)), g.dtype)
         _launch(_maxmin_grad_e, parts, indptr, indices, eids, won, G, U, W, ge.numpy(), op, loff,
                 roff, _prefetch_distance(U.shape[1] * U.itemsize))
         ge = ge.reshape((csr.num_edges,) + fe)
@@ -1869,7 +1871,7 @@ def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
         else:
             mode = S_GENERIC
             loff, roff, _ = bcast_offsets(binop, fl, fr, fo)
-    out = torch.empty((csr.num_edges, math.prod(fo)), dtype=lhs.dtype)
+    out = _CACHE.empty((csr.num_edges, math.prod(fo)), lhs.dtype)
     if binop == "dot" and red == 0:  # dot over an empty dim
         return out.zero_().reshape((csr.num_edges,) + fo)
     nblk = 1
@@ -1901,10 +1903,10 @@ def edge_softmax(csr, scores):
     _check_dtype(scores)
     parts, indptr, _, eids = _arrays(csr)
     S = _flat(scores, csr.num_edges)
-    y = torch.empty(scores.shape, dtype=scores.dtype)
+    y = _CACHE.empty(scores.shape, scores.dtype)
     recompute = S.shape[1] == 1
     dst = _edge_dsts(csr) if recompute else eids[:0]
-    stats = np.empty((2, csr.num_dst, S.shape[1]), dtype=S.dtype)
+    stats = _CACHE.empty_numpy((2, csr.num_dst, S.shape[1]), S.dtype)
     _launch(_edge_softmax, parts, indptr, eids, dst, S, _flat(y, csr.num_edges), stats, recompute,
             _prefetch_distance(S.shape[1] * S.itemsize))
     return y
@@ -1913,7 +1915,7 @@ def edge_softmax(csr, scores):
 def edge_softmax_backward(csr, y, grad_y):
     _check_dtype(y, grad_y)
     parts, indptr, _, eids = _arrays(csr)
-    gs = torch.empty(y.shape, dtype=y.dtype)
+    gs = _CACHE.empty(y.shape, y.dtype)
     _launch(_edge_softmax_backward, parts, indptr, eids, _edge_dsts(csr), _flat(y, csr.num_edges),
             _flat(grad_y, csr.num_edges), _flat(gs, csr.num_edges),
             _prefetch_distance(math.prod(y.shape[1:]) * y.element_size()))

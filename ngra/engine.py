@@ -90,6 +90,7 @@ import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import kernels
 import partition
 from partition.chunk_grid import interval_bounds, interval_of
 
@@ -399,7 +400,9 @@ class Engine:
     - ``num_chunks=P``: P vertex intervals, so P destination columns (a P x P chunk grid);
     - ``memory_budget`` (bytes, or a string such as ``"512MiB"``): the smallest P whose estimated
       edge-level working set fits (see :meth:`estimate`; vertex-level data stays resident on top
-      of the budget, :meth:`vertex_bytes`); an error says when no P can fit;
+      of the budget, :meth:`vertex_bytes`, and so do freed kernel outputs the numba backend
+      keeps for reuse, up to ``kernels.output_cache_limit()``: ``kernels.set_output_cache_limit(0)``
+      turns that cache off); an error says when no P can fit;
     - ``store``: a path to (or an open) ``partition.ChunkStore`` with the graph's chunks on disk.
 
     ``ordering`` (``"identity"``, ``"rcm"``, ``"metis"``) reorders vertices for locality before
@@ -661,7 +664,10 @@ class TensorMemory(TorchDispatchMode):
     a torch op creates on this thread under the mode (kernel outputs, autograd's buffers in a
     backward run from inside the block) counts once, from its creation until it is freed.
     Memory made outside torch (numpy arrays, Numba's internal buffers) and by other threads is
-    not seen; neither are tensors that existed before the block.
+    not seen; neither are tensors that existed before the block. The numba kernels' outputs,
+    which come from their cache of freed outputs elsewhere (``kernels.output_cache_stats``),
+    are fresh torch tensors on this thread within the block (``kernels.no_output_cache``), so
+    that they count.
     """
 
     def __init__(self):
@@ -670,6 +676,23 @@ class TensorMemory(TorchDispatchMode):
         self.peak = 0
         self._live: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
+        self._bypass: list = []
+
+    def __enter__(self):
+        bypass = kernels.no_output_cache()
+        bypass.__enter__()
+        self._bypass.append(bypass)
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._bypass.pop().__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._bypass.pop().__exit__(None, None, None)
 
     def _freed(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)

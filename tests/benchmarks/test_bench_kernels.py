@@ -74,7 +74,8 @@ def run_case(bench, limit_over_rss):
 
 
 # The trace of the fake methods' calls: ngra's result for the check first, then the timed rounds
-# (a warm-up and 2 timed; "ngra" twice in a round: the second is "ngra-numba after torch op"),
+# (a warm-up and 2 timed; "ngra" three times in a round: the second is "ngra-numba after torch
+# op", the third "ngra-numba fresh output"),
 # each group's checks right after its rounds (DGL's check is the worker's own call).
 CHECK_NGRA = ["ngra"]
 
@@ -82,9 +83,10 @@ CHECK_NGRA = ["ngra"]
 def test_all_methods_share_rounds_when_everything_fits(bench):
     times, same, checks, trace, dgl = run_case(bench, 64 << 30)
     assert all(isinstance(times[m], float) for m in
-               ("ngra-numba", "torch.sparse.mm", "index_add/scatter_reduce", "DGL"))
+               ("ngra-numba", "torch.sparse.mm", "index_add/scatter_reduce", "DGL",
+                bench.AFTER_TORCH_OP, bench.FRESH_OUTPUT))
     assert times["torch-scatter"] == "not installed" and same["torch-scatter"] is None
-    assert trace == CHECK_NGRA + 3 * ["ngra", "spmm", "index_add", "pyg", "ngra", "DGL"] \
+    assert trace == CHECK_NGRA + 3 * ["ngra", "spmm", "index_add", "pyg", "ngra", "ngra", "DGL"] \
         + ["spmm", "index_add", "pyg"]
     assert dgl.cmds == ["prepare", "run", "run", "run", "check", "release"]
     assert all(same[m] for m in times if isinstance(times[m], float))
@@ -100,7 +102,7 @@ def test_dgl_takes_turns_with_ngra_when_only_the_lean_methods_fit_beside_it(benc
     # the heavy methods fit alone but not beside DGL's tensors; the lean ones fit beside them
     times, same, checks, trace, dgl = run_case(bench, heavy + (lean // 2))
     assert trace == CHECK_NGRA + 3 * ["index_add", "pyg"] + ["index_add", "pyg"] \
-        + 3 * ["ngra", "spmm", "ngra", "DGL"] + ["spmm"]
+        + 3 * ["ngra", "spmm", "ngra", "ngra", "DGL"] + ["spmm"]
     assert dgl.cmds == ["prepare", "run", "run", "run", "check", "release"]
     assert isinstance(times["index_add/scatter_reduce"], float) and isinstance(times["DGL"], float)
     assert same["DGL"] and same["ngra-numba"] and same["torch.sparse.mm"]
@@ -112,7 +114,7 @@ def test_dgl_runs_alone_after_when_it_does_not_fit_beside_ngra(bench):
     lean = bench.case_bytes(CASE, N, E, False)
     times, same, checks, trace, dgl = run_case(bench, lean + (lean // 2))
     assert "skipped" in times["index_add/scatter_reduce"]
-    assert trace == CHECK_NGRA + 3 * ["ngra", "spmm", "ngra"] + ["spmm"] + 3 * ["DGL"]
+    assert trace == CHECK_NGRA + 3 * ["ngra", "spmm", "ngra", "ngra"] + ["spmm"] + 3 * ["DGL"]
     assert isinstance(times["DGL"], float) and not same["DGL"] and same["ngra-numba"]
     assert checks["DGL"] == 0 and "PyG propagate" not in checks
 

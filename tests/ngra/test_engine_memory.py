@@ -274,3 +274,24 @@ def test_first_call_peak_stays_under_its_estimate(kind):
     assert engine.last_run["estimate"] == cold
     assert cached > 0
     assert tm.peak <= cold + engine.vertex_bytes(prog, g) + cached, (tm.peak, cold, cached)
+
+
+def test_tensor_memory_counts_kernel_outputs_the_cache_would_serve():
+    """The numba kernels take large outputs from their cache of freed ones (numpy-backed, no
+    torch op); under TensorMemory they are fresh torch tensors again, so they count."""
+    n, f = 8192, 64  # a 2 MiB output, above the cache's 1 MiB floor
+    gen = torch.Generator().manual_seed(0)
+    csr = kernels.CSR.from_coo(torch.randint(0, n, (20_000,), generator=gen),
+                               torch.randint(0, n, (20_000,), generator=gen), n)
+    x = torch.randn(n, f, generator=gen)
+    warm = kernels.gspmm(csr, "copy_u", "sum", u=x, backend="numba")
+    del warm  # now a cached block of that size
+    before = kernels.output_cache_stats()
+    with TensorMemory() as tm:
+        y = kernels.gspmm(csr, "copy_u", "sum", u=x, backend="numba")
+        assert tm.current >= y.numel() * 4
+    assert kernels.output_cache_stats()["hits"] == before["hits"]
+    del y
+    z = kernels.gspmm(csr, "copy_u", "sum", u=x, backend="numba")  # outside: from the cache
+    assert kernels.output_cache_stats()["hits"] == before["hits"] + 1
+    del z

@@ -1,0 +1,203 @@
+"""A cache of freed CPU kernel outputs, so that the next output of that size reuses warm pages.
+
+glibc serves every allocation above its mmap threshold (at most 32 MiB) from new pages and
+unmaps them on free, so each large tensor's first write page-faults once per 4 KiB page: on the
+project's machine that was 25-40% of a g-SpMM call (``benchmarks/fresh_memory.py``). A training
+loop allocates the same output sizes every step, so the numba backend takes its large outputs
+and scratch arrays from this cache instead. A block handed out is owned by its tensor (or numpy
+array) like any other memory; when the last tensor, view or array using it is freed, the block
+comes back here instead of going back to the OS, up to :func:`set_output_cache_limit` bytes
+(default: 1/16 of physical memory, at most 4 GiB; ``NGRA_KERNEL_OUTPUT_CACHE`` in the
+environment, a byte count, sets it at import, ``0`` turns the cache off). Blocks beyond the
+limit are released, oldest first; :func:`empty_output_cache` releases them all.
+
+Blocks are grouped in size classes of 1/8 of a power of two (a 100 MB output takes a block of at
+most 12.5% more), and only requests of at least 1 MiB use the cache (smaller ones come from
+glibc's heap, which reuses memory anyway). The memory is returned to the cache by a
+``weakref.finalize`` on the numpy array the tensor was made from (``torch.from_numpy``), which
+runs, with the GIL, in whichever thread frees the last reference (autograd's included). Such a
+tensor behaves like any other, except that its storage cannot grow in place: ``resize_`` to more
+elements (or an ``out=`` argument of another size) raises torch's "Trying to resize storage that
+is not resizable"; ``.clone()`` it first, or turn the cache off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+import threading
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+MIN_BYTES = 1 << 20  # smaller requests bypass the cache
+_ENV = "NGRA_KERNEL_OUTPUT_CACHE"
+
+_NP_DTYPE = {torch.float32: np.float32, torch.float64: np.float64, torch.int32: np.int32,
+             torch.int64: np.int64, torch.int16: np.int16, torch.int8: np.int8,
+             torch.uint8: np.uint8, torch.bool: np.bool_}
+
+
+def _default_limit() -> int:
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 << 30
+    return min(4 << 30, ram // 16)
+
+
+def _check_limit(nbytes, what: str) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+        raise ValueError(f"{what} must be a byte count >= 0, e.g. {1 << 30} for 1 GiB, or 0 to "
+                         f"turn the output cache off (got {nbytes!r})")
+    return int(nbytes)
+
+
+def size_class(nbytes: int) -> int:
+    """The block size serving a request of ``nbytes``: rounded up to a multiple of 1/8 of the
+    largest power of two not above it (at most 12.5% more)."""
+    step = max(1, (1 << (int(nbytes).bit_length() - 1)) // 8)
+    return -(-int(nbytes) // step) * step
+
+
+class OutputCache:
+    """Freed blocks by size class, oldest release first (see the module docstring)."""
+
+    def __init__(self, limit: int):
+        self._lock = threading.RLock()
+        self._free: dict[int, dict] = {}  # size class -> {id(block): block} (uint8 arrays)
+        self._order: OrderedDict = OrderedDict()  # id(block) -> (size class, block), oldest first
+        self.limit = _check_limit(limit, "the output cache limit")
+        self.cached = 0  # bytes held for reuse
+        self.hits = self.misses = 0
+        self._local = threading.local()  # .bypass: depth of bypassed() blocks on this thread
+
+    @contextlib.contextmanager
+    def bypassed(self):
+        """Within the block, this thread's requests get fresh memory and do not count."""
+        self._local.bypass = getattr(self._local, "bypass", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.bypass -= 1
+
+    def set_limit(self, limit: int) -> None:
+        limit = _check_limit(limit, "the output cache limit")
+        with self._lock:
+            self.limit = limit
+            self._trim(0)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._trim(0, everything=True)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"limit": self.limit, "cached_bytes": self.cached,
+                    "cached_blocks": len(self._order), "hits": self.hits, "misses": self.misses}
+
+    def _trim(self, incoming: int, everything: bool = False) -> None:
+        """Release the oldest blocks until ``incoming`` more bytes fit under the limit."""
+        while self._order and (everything or self.cached + incoming > self.limit):
+            _, (cls, block) = self._order.popitem(last=False)
+            del self._free[cls][id(block)]
+            self.cached -= cls
+
+    def _release(self, cls: int, block) -> None:
+        with self._lock:
+            if cls > self.limit:
+                return  # dropped: numpy frees it
+            self._trim(cls)
+            self._free.setdefault(cls, {})[id(block)] = block
+            self._order[id(block)] = (cls, block)
+            self.cached += cls
+
+    def _serves(self, nbytes: int) -> bool:
+        return nbytes >= MIN_BYTES and self.limit > 0 and not getattr(self._local, "bypass", 0)
+
+    def empty_numpy(self, shape, dtype) -> np.ndarray:
+        """An uninitialized C-contiguous numpy array, its memory from the cache when it is large."""
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not self._serves(nbytes):
+            return np.empty(shape, dtype=dtype)
+        cls = size_class(nbytes)
+        block = None
+        with self._lock:
+            blocks = self._free.get(cls)
+            if blocks:
+                key, block = blocks.popitem()  # the most recently freed: likeliest still cached
+                del self._order[key]
+                self.cached -= cls
+                self.hits += 1
+            else:
+                self.misses += 1
+        if block is None:
+            # its own anonymous mapping: page-aligned, and unmapped when the block is dropped
+            try:
+                mapping = mmap.mmap(-1, cls, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            except OSError:  # out of address space or memory: let numpy say so in its words
+                self.clear()
+                return np.empty(shape, dtype=dtype)
+            block = np.frombuffer(mapping, dtype=np.uint8)
+        arr = block[:nbytes].view(dtype).reshape(shape)
+        # the last reference to arr (the tensor's storage, a view, ...) returns the block
+        weakref.finalize(arr, self._release, cls, block).atexit = False
+        return arr
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Like ``torch.empty(shape, dtype=dtype)`` on the CPU, its memory from the cache."""
+        np_dtype = _NP_DTYPE.get(dtype)
+        if np_dtype is None or not self._serves(math.prod(shape) * np.dtype(np_dtype).itemsize):
+            return torch.empty(shape, dtype=dtype)  # a torch op, which dispatch modes see
+        return torch.from_numpy(self.empty_numpy(tuple(shape), np_dtype))
+
+    def zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return self.empty(shape, dtype).zero_()
+
+
+def _limit_from_env() -> int:
+    raw = os.environ.get(_ENV)
+    if raw is None or raw.strip() == "":
+        return _default_limit()
+    try:
+        return _check_limit(int(raw.strip()), f"{_ENV}")
+    except ValueError:
+        raise ValueError(f"{_ENV}={raw!r} in the environment must be a byte count >= 0, e.g. "
+                         f"{1 << 30} for 1 GiB, or 0 to turn the kernels' output cache "
+                         f"off") from None
+
+
+CACHE = OutputCache(_limit_from_env())
+
+
+def set_output_cache_limit(nbytes: int) -> None:
+    """Keep at most ``nbytes`` of freed CPU kernel outputs for reuse (0 turns the cache off and
+    releases what it holds). See :mod:`kernels._outcache`."""
+    CACHE.set_limit(nbytes)
+
+
+def output_cache_limit() -> int:
+    """The current limit in bytes (see :func:`set_output_cache_limit`)."""
+    return CACHE.limit
+
+
+def empty_output_cache() -> None:
+    """Release every freed block the output cache holds (blocks in use stay with their tensors)."""
+    CACHE.clear()
+
+
+def no_output_cache():
+    """Context manager: within it, this thread's kernel calls allocate fresh memory, as torch
+    ops do (for measuring memory, e.g. ``ngra.engine.TensorMemory``, which uses it)."""
+    return CACHE.bypassed()
+
+
+def output_cache_stats() -> dict:
+    """``limit`` and ``cached_bytes`` (bytes), ``cached_blocks``, and the ``hits`` and ``misses``
+    of requests large enough to use the cache, since the process started."""
+    return CACHE.stats()
