@@ -93,16 +93,18 @@ class OutputCache:
 
     def clear(self) -> None:
         with self._lock:
-            self._trim(0, everything=True)
+            self._free.clear()
+            self._order.clear()
+            self.cached = 0
 
     def stats(self) -> dict:
         with self._lock:
             return {"limit": self.limit, "cached_bytes": self.cached,
                     "cached_blocks": len(self._order), "hits": self.hits, "misses": self.misses}
 
-    def _trim(self, incoming: int, everything: bool = False) -> None:
+    def _trim(self, incoming: int) -> None:
         """Release the oldest blocks until ``incoming`` more bytes fit under the limit."""
-        while self._order and (everything or self.cached + incoming > self.limit):
+        while self._order and self.cached + incoming > self.limit:
             _, (cls, block) = self._order.popitem(last=False)
             del self._free[cls][id(block)]
             self.cached -= cls
@@ -110,21 +112,18 @@ class OutputCache:
     def _release(self, cls: int, block) -> None:
         with self._lock:
             if cls > self.limit:
-                return  # dropped: numpy frees it
+                return  # dropped: its mapping is unmapped
             self._trim(cls)
             self._free.setdefault(cls, {})[id(block)] = block
             self._order[id(block)] = (cls, block)
             self.cached += cls
 
-    def _serves(self, nbytes: int) -> bool:
-        return nbytes >= MIN_BYTES and self.limit > 0 and not getattr(self._local, "bypass", 0)
-
-    def empty_numpy(self, shape, dtype) -> np.ndarray:
-        """An uninitialized C-contiguous numpy array, its memory from the cache when it is large."""
-        dtype = np.dtype(dtype)
+    def _take(self, shape: tuple, dtype: np.dtype):
+        """An uninitialized C-contiguous numpy array over a cached (or new) block, or None where
+        the cache does not serve the request (too small, turned off, bypassed, out of memory)."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if not self._serves(nbytes):
-            return np.empty(shape, dtype=dtype)
+        if nbytes < MIN_BYTES or self.limit == 0 or getattr(self._local, "bypass", 0):
+            return None
         cls = size_class(nbytes)
         block = None
         with self._lock:
@@ -140,21 +139,28 @@ class OutputCache:
             # its own anonymous mapping: page-aligned, and unmapped when the block is dropped
             try:
                 mapping = mmap.mmap(-1, cls, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            except OSError:  # out of address space or memory: let numpy say so in its words
+            except OSError:  # out of address space or memory: the caller's allocator says so
                 self.clear()
-                return np.empty(shape, dtype=dtype)
+                return None
             block = np.frombuffer(mapping, dtype=np.uint8)
         arr = block[:nbytes].view(dtype).reshape(shape)
         # the last reference to arr (the tensor's storage, a view, ...) returns the block
         weakref.finalize(arr, self._release, cls, block).atexit = False
         return arr
 
+    def empty_numpy(self, shape, dtype) -> np.ndarray:
+        """An uninitialized C-contiguous numpy array, its memory from the cache when it is large."""
+        dtype = np.dtype(dtype)
+        arr = self._take(tuple(shape), dtype)
+        return np.empty(shape, dtype=dtype) if arr is None else arr
+
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """Like ``torch.empty(shape, dtype=dtype)`` on the CPU, its memory from the cache."""
         np_dtype = _NP_DTYPE.get(dtype)
-        if np_dtype is None or not self._serves(math.prod(shape) * np.dtype(np_dtype).itemsize):
+        arr = None if np_dtype is None else self._take(tuple(shape), np.dtype(np_dtype))
+        if arr is None:
             return torch.empty(shape, dtype=dtype)  # a torch op, which dispatch modes see
-        return torch.from_numpy(self.empty_numpy(tuple(shape), np_dtype))
+        return torch.from_numpy(arr)
 
     def zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return self.empty(shape, dtype).zero_()
@@ -165,7 +171,7 @@ def _limit_from_env() -> int:
     if raw is None or raw.strip() == "":
         return _default_limit()
     try:
-        return _check_limit(int(raw.strip()), f"{_ENV}")
+        return _check_limit(int(raw.strip()), _ENV)
     except ValueError:
         raise ValueError(f"{_ENV}={raw!r} in the environment must be a byte count >= 0, e.g. "
                          f"{1 << 30} for 1 GiB, or 0 to turn the kernels' output cache "
