@@ -3,6 +3,7 @@
 #   make train          create .venv if needed, then train a GCN on a generated SBM graph
 #   make test           create .venv and .venv-dgl if needed, then run the test suite in both
 #   make env / dgl-env  only create (or update) one environment
+#   make scatter        also build torch-scatter into .venv (optional; about 10 minutes)
 #
 # Environments are stamped (.venv/.ngra-env, .venv-dgl/.ngra-env): a second run reinstalls
 # nothing unless pyproject.toml or this Makefile changed since the stamp was written.
@@ -34,10 +35,10 @@ define check_python
 	    {v[0]}.{v[1]}; $(1) needs Python >= $(2) and < $(3); run make with PYTHON=<another python>")'
 endef
 
-.PHONY: help env dgl-env train test test-main test-dgl bench-kernels clean clean-env
+.PHONY: help env dgl-env scatter train test test-main test-dgl bench-kernels clean clean-env
 
 help:
-	@sed -n '3,5p' Makefile | sed 's/^#   //'
+	@sed -n '3,6p' Makefile | sed 's/^#   //'
 
 env: $(VENV)/.ngra-env
 dgl-env: $(DGL_VENV)/.ngra-env
@@ -61,6 +62,12 @@ $(DGL_VENV)/.ngra-env: pyproject.toml Makefile
 	$(DGL_VENV)/bin/$(PIP) "torch==$(DGL_TORCH)"
 	$(DGL_VENV)/bin/$(PIP) "torch==$(DGL_TORCH)" -e ".[test,partition,plot,pyg,dgl]"
 	@touch $@
+
+# torch-scatter is on PyPI only as source: it compiles against the torch already in .venv (no
+# build isolation, which would fetch another torch). benchmarks/kernels.py times it when present.
+# Not stamped: reinstalling .venv drops it.
+scatter: env
+	$(VENV)/bin/$(PIP) --no-build-isolation "torch-scatter==2.1.2"
 
 train: env
 	$(VENV)/bin/python -m ngra train --model gcn --dataset sbm --epochs 100 --seed 0
