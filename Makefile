@@ -65,7 +65,7 @@ $(DGL_VENV)/.ngra-env: pyproject.toml Makefile
 
 # torch-scatter is on PyPI only as source: it compiles against the torch already in .venv (no
 # build isolation, which would fetch another torch). benchmarks/kernels.py times it when present.
-# Not stamped: reinstalling .venv drops it.
+# Not stamped: a .venv created afresh (after make clean-env) does not have it.
 scatter: env
 	$(VENV)/bin/$(PIP) --no-build-isolation "torch-scatter==2.1.2"
 
