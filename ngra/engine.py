@@ -211,8 +211,6 @@ def _upload(csr, eids: torch.Tensor, device: torch.device, stream=None):
     """
     if device.type != "cuda" or stream is None:
         return csr.to(device), eids.to(device), None
-    import kernels
-
     with torch.cuda.stream(stream):
         up = [t.pin_memory().to(device, non_blocking=True)
               for t in (csr.indptr, csr.indices, csr.eids, eids)]
@@ -258,8 +256,6 @@ class _GraphColumns:
         kernels' backward uses (built here once rather than lazily in a backward)."""
         col = self._cols.get(j)
         if col is None:
-            import kernels
-
             full = self.g.in_csr()
             a, b = int(self.bounds[j]), int(self.bounds[j + 1])
             ptr = full.indptr[a:b + 1]
@@ -322,8 +318,6 @@ class _ChunkColumns:
                        src=slice(ch.src_start, ch.src_stop))
 
     def _load(self, j: int) -> _Column:
-        import kernels
-
         source = self.source
         n, (a, b) = source.num_nodes, source.interval(j)
         rows = [i for i in range(self.num_intervals) if source.counts[i, j]]
