@@ -109,7 +109,7 @@ def _restore_csr(ctx):
     # back another Python object for the same tensor. While ``csr`` lives its indptr's storage
     # does too, so an equal address, shape and dtype is that very tensor.
     if csr is None or not _same_tensor(csr.indptr, indptr):
-        csr = CSR(indptr, indices, eids, *ctx.csr_shape)
+        csr = CSR(indptr, indices, eids, *ctx.csr_shape, check=False)  # saved from a checked CSR
     return csr, tensors
 
 

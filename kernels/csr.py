@@ -34,12 +34,19 @@ class CSR:
                  "__weakref__",
                  "_coo", "_deg", "_backend_cache", "blocking")
 
-    def __init__(self, indptr, indices, eids, num_src, num_dst):
+    def __init__(self, indptr, indices, eids, num_src, num_dst, *, check: bool = True):
+        """Wrap CSR arrays as they are (no copy). With ``check`` (the default) every field is
+        validated first: the kernels index memory with these ids and do not range-check them
+        (a numba kernel given an id out of range reads or writes outside its arrays). Callers
+        that built the arrays from an already checked CSR pass ``check=False``."""
+        num_src, num_dst = _count("num_src", num_src), _count("num_dst", num_dst)
+        if check:
+            _check_csr(indptr, indices, eids, num_src, num_dst)
         self.indptr = indptr
         self.indices = indices
         self.eids = eids
-        self.num_src = int(num_src)
-        self.num_dst = int(num_dst)
+        self.num_src = num_src
+        self.num_dst = num_dst
         self._transpose = None
         self._dst_ids = None
         self._coo = None
@@ -55,12 +62,25 @@ class CSR:
 
         ``num_nodes`` is an int (same vertex set on both sides) or a pair ``(num_src, num_dst)``.
         ``index_dtype`` (torch.int32 or torch.int64) defaults to the dtype of ``src``.
-        Ids are not range-checked here (``ngra.Graph`` does that once for users).
+        Every id is checked: ``src`` in ``[0, num_src)``, ``dst`` in ``[0, num_dst)``.
         """
-        if isinstance(num_nodes, (tuple, list)):
-            num_src, num_dst = (int(n) for n in num_nodes)
+        return cls._from_coo(src, dst, num_nodes, index_dtype=index_dtype, check=True)
+
+    @classmethod
+    def _from_coo(cls, src, dst, num_nodes, *, index_dtype=None, check: bool) -> "CSR":
+        if isinstance(num_nodes, (tuple, list)) and len(num_nodes) == 2:
+            num_src, num_dst = (_count(k, n) for k, n in zip(("num_src", "num_dst"), num_nodes))
+        elif isinstance(num_nodes, (tuple, list)):
+            raise ValueError(f"num_nodes must be an int or a pair (num_src, num_dst) "
+                             f"(got {num_nodes!r})")
         else:
-            num_src = num_dst = int(num_nodes)
+            num_src = num_dst = _count("num_nodes", num_nodes)
+        for name, t in (("src", src), ("dst", dst)):
+            if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.is_complex() \
+                    or t.dtype == torch.bool:
+                what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+                raise TypeError(f"{name} must be an integer tensor (got {what}); convert it with "
+                                f"torch.as_tensor({name}, dtype=torch.int64)")
         if index_dtype is None:
             index_dtype = src.dtype if src.dtype in (torch.int32, torch.int64) else torch.int64
         if index_dtype not in (torch.int32, torch.int64):
@@ -70,13 +90,20 @@ class CSR:
                 f"src and dst must be 1-D tensors of equal length (got shapes "
                 f"{tuple(src.shape)} and {tuple(dst.shape)})"
             )
+        if check:
+            _check_ids("src", src, num_src, "num_src")
+            _check_ids("dst", dst, num_dst, "num_dst")
+        if index_dtype == torch.int32 and max(num_src, src.numel()) > _INT32_MAX:
+            raise ValueError(f"index_dtype torch.int32 cannot hold {max(num_src, src.numel())} "
+                             f"vertices or edges (at most {_INT32_MAX}); use torch.int64")
         dst64 = dst.to(torch.int64)
         order = torch.sort(dst64, stable=True).indices
         counts = torch.bincount(dst64, minlength=num_dst)
         indptr = torch.zeros(num_dst + 1, dtype=torch.int64, device=src.device)
         torch.cumsum(counts, 0, out=indptr[1:])
         indices = src.index_select(0, order).to(index_dtype)
-        return cls(indptr, indices.contiguous(), order.to(index_dtype).contiguous(), num_src, num_dst)
+        return cls(indptr, indices.contiguous(), order.to(index_dtype).contiguous(), num_src, num_dst,
+                   check=False)
 
     @property
     def num_edges(self) -> int:
@@ -126,7 +153,8 @@ class CSR:
             by_eid = torch.empty_like(eids)
             by_eid[eids] = torch.arange(eids.numel(), device=self.device)
             src_e, dst_e = src[by_eid], dst[by_eid]
-            t = CSR.from_coo(dst_e, src_e, (self.num_dst, self.num_src), index_dtype=self.index_dtype)
+            t = CSR._from_coo(dst_e, src_e, (self.num_dst, self.num_src),
+                              index_dtype=self.index_dtype, check=False)
             t._transpose = self
             t.blocking = self.blocking
             self._transpose = t
@@ -137,10 +165,75 @@ class CSR:
         if device == self.device:
             return self
         out = CSR(self.indptr.to(device), self.indices.to(device), self.eids.to(device),
-                  self.num_src, self.num_dst)
+                  self.num_src, self.num_dst, check=False)
         out.blocking = self.blocking
         return out
 
     def __repr__(self) -> str:
         return (f"CSR(num_src={self.num_src}, num_dst={self.num_dst}, num_edges={self.num_edges}, "
                 f"index_dtype={self.index_dtype}, device={self.device})")
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _count(name: str, value) -> int:
+    """A vertex count: a non-negative integer (Python, numpy or 0-d integer tensor)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer (got a tensor of shape "
+                            f"{tuple(value.shape)} and dtype {value.dtype})")
+        value = value.item()
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an integer (got {value!r} of type {type(value).__name__})")
+    value = int(value.__index__())
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 (got {value})")
+    return value
+
+
+def _check_ids(name: str, ids: torch.Tensor, n: int, bound: str) -> None:
+    """Every entry of ``ids`` in ``[0, n)``, else a ValueError naming the first bad one."""
+    if ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= n)
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{name}[{k}] = {int(ids[k])} is out of range for {bound} = {n}; "
+                         f"ids must lie in [0, {n})")
+
+
+def _check_csr(indptr, indices, eids, num_src: int, num_dst: int) -> None:
+    """The CSR invariants the kernels rely on, each with the offending value in its error."""
+    for name, t in (("indptr", indptr), ("indices", indices), ("eids", eids)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D (got shape {tuple(t.shape)})")
+    if indptr.dtype != torch.int64:
+        raise TypeError(f"indptr must be torch.int64 (got {indptr.dtype})")
+    if indices.dtype not in (torch.int32, torch.int64) or eids.dtype != indices.dtype:
+        raise TypeError(f"indices and eids must both be torch.int32 or both torch.int64 "
+                        f"(got {indices.dtype} and {eids.dtype})")
+    if not (indptr.device == indices.device == eids.device):
+        raise ValueError(f"indptr, indices and eids must be on one device (got {indptr.device}, "
+                         f"{indices.device}, {eids.device})")
+    num_edges = indices.numel()
+    if eids.numel() != num_edges:
+        raise ValueError(f"eids must have one entry per edge: {num_edges} like indices "
+                         f"(got {eids.numel()})")
+    if indptr.numel() != num_dst + 1:
+        raise ValueError(f"indptr must have num_dst + 1 = {num_dst + 1} entries "
+                         f"(got {indptr.numel()})")
+    first, last = int(indptr[0]), int(indptr[-1])
+    if first != 0 or last != num_edges:
+        raise ValueError(f"indptr must start at 0 and end at the number of edges {num_edges} "
+                         f"(got indptr[0] = {first}, indptr[-1] = {last})")
+    if num_dst > 0:
+        step = indptr[1:] - indptr[:-1]
+        if bool((step < 0).any()):
+            v = int((step < 0).nonzero()[0, 0])
+            raise ValueError(f"indptr must be non-decreasing (got indptr[{v}] = {int(indptr[v])} "
+                             f"> indptr[{v + 1}] = {int(indptr[v + 1])})")
+    _check_ids("indices", indices, num_src, "num_src")
+    _check_ids("eids", eids, num_edges, "the number of edges")

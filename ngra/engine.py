@@ -216,7 +216,7 @@ def _upload(csr, eids: torch.Tensor, device: torch.device, stream=None):
               for t in (csr.indptr, csr.indices, csr.eids, eids)]
         event = torch.cuda.Event()
         event.record(stream)
-    dev = kernels.CSR(up[0], up[1], up[2], csr.num_src, csr.num_dst)
+    dev = kernels.CSR(up[0], up[1], up[2], csr.num_src, csr.num_dst, check=False)  # host-checked
     dev.blocking = csr.blocking
     return dev, up[3], event
 
@@ -270,7 +270,7 @@ class _GraphColumns:
             rank = torch.empty_like(order)
             rank[order] = torch.arange(hi - lo, dtype=order.dtype, device=order.device)
             csr = kernels.CSR(ptr - lo, full.indices[lo:hi].to(idx), rank.to(idx),
-                              self.g.num_nodes, b - a)
+                              self.g.num_nodes, b - a, check=False)  # rows of a checked CSR
             csr.blocking = False  # no source-blocked copies beyond what the estimate counts
             col = self._cols[j] = _Column(j, slice(a, b), csr, eids[order])
         return _transposed(col) if transpose else col

@@ -177,3 +177,86 @@ def test_add_gradient_wrt_an_edge_weight_sums_per_destination_first(monkeypatch,
     ref = torch.zeros(30, 2, 5, dtype=torch.float64).index_add(0, dst, msg)
     (want,) = torch.autograd.grad(ref, e, g)
     torch.testing.assert_close(got, want)
+
+
+_I64 = torch.int64
+
+
+@pytest.mark.parametrize("build,exc,msg", [
+    # The issue's crash: a numba kernel given this CSR read far outside its arrays (SIGSEGV).
+    (lambda: CSR.from_coo(torch.tensor([0, 10**9]), torch.tensor([0, 1]), 2), ValueError,
+     r"src\[1\] = 1000000000 is out of range for num_src = 2; ids must lie in \[0, 2\)"),
+    (lambda: CSR.from_coo(torch.tensor([0, -1]), torch.tensor([0, 1]), 2), ValueError,
+     r"src\[1\] = -1 is out of range"),
+    (lambda: CSR.from_coo(torch.tensor([0, 1]), torch.tensor([0, 5]), (2, 3)), ValueError,
+     r"dst\[1\] = 5 is out of range for num_dst = 3"),
+    (lambda: CSR.from_coo(torch.tensor([0.0]), torch.tensor([0]), 2), TypeError,
+     r"src must be an integer tensor \(got torch.float32\)"),
+    (lambda: CSR.from_coo(torch.tensor([0]), torch.tensor([0]), -1), ValueError,
+     r"num_nodes must be >= 0 \(got -1\)"),
+    (lambda: CSR.from_coo(torch.tensor([0]), torch.tensor([0]), 2.5), TypeError,
+     r"num_nodes must be an integer \(got 2.5"),
+    (lambda: CSR.from_coo(torch.tensor([0]), torch.tensor([0]), (1, 2, 3)), ValueError,
+     r"num_nodes must be an int or a pair"),
+    (lambda: CSR.from_coo(torch.tensor([0]), torch.tensor([0]), 2**31, index_dtype=torch.int32),
+     ValueError, "index_dtype torch.int32 cannot hold 2147483648"),
+    (lambda: CSR(torch.tensor([0, 1, 2]), torch.tensor([0, 7]), torch.tensor([0, 1]), 2, 2),
+     ValueError, r"indices\[1\] = 7 is out of range for num_src = 2"),
+    (lambda: CSR(torch.tensor([0, 1, 2]), torch.tensor([0, 1]), torch.tensor([0, 2]), 2, 2),
+     ValueError, r"eids\[1\] = 2 is out of range for the number of edges = 2"),
+    (lambda: CSR(torch.tensor([0, 2, 1, 2]), torch.tensor([0, 1]), torch.tensor([0, 1]), 2, 3),
+     ValueError, r"indptr must be non-decreasing \(got indptr\[1\] = 2 > indptr\[2\] = 1\)"),
+    (lambda: CSR(torch.tensor([0, 1, 5]), torch.tensor([0, 1]), torch.tensor([0, 1]), 2, 2),
+     ValueError, r"indptr\[-1\] = 5"),
+    (lambda: CSR(torch.tensor([0, 2]), torch.tensor([0, 1]), torch.tensor([0, 1]), 2, 2),
+     ValueError, r"indptr must have num_dst \+ 1 = 3 entries \(got 2\)"),
+    (lambda: CSR(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 1]),
+                 torch.tensor([0, 1]), 2, 2), TypeError, "indptr must be torch.int64"),
+    (lambda: CSR(torch.tensor([0, 1, 2]), torch.tensor([0, 1]), torch.tensor([0, 1],
+                 dtype=torch.int32), 2, 2), TypeError, "indices and eids must both be"),
+    (lambda: CSR(torch.tensor([0, 1, 2]), torch.tensor([0, 1]), torch.tensor([0]), 2, 2),
+     ValueError, r"eids must have one entry per edge: 2 like indices \(got 1\)"),
+    (lambda: CSR(torch.tensor([[0, 1, 2]]), torch.tensor([0, 1]), torch.tensor([0, 1]), 2, 2),
+     ValueError, r"indptr must be 1-D \(got shape \(1, 3\)\)"),
+])
+def test_every_csr_constructor_checks_its_ids(build, exc, msg):
+    with pytest.raises(exc, match=msg):
+        build()
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_out_of_range_ids_never_reach_a_kernel(backend):
+    """The issue's reproduction, in a child process so that a segfault is a failure, not a dead
+    test run: the CSR is refused before the kernel runs, on every backend."""
+    import subprocess
+    import sys
+    code = (
+        "import torch, kernels\n"
+        "try:\n"
+        "    csr = kernels.CSR.from_coo(torch.tensor([0, 10**9]), torch.tensor([0, 1]), 2)\n"
+        f"    kernels.gspmm(csr, 'copy_u', 'sum', torch.randn(2, 4), backend='{backend}')\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused: src[1] = 1000000000 is out of range" in out.stdout
+
+
+def test_checked_csr_is_unchanged_and_derived_csrs_skip_the_check(monkeypatch):
+    csr = CSR(torch.tensor([0, 0, 3, 4]), torch.tensor([0, 2, 0, 1]), torch.tensor([0, 2, 3, 1]),
+              3, 3)
+    assert csr.indptr.tolist() == [0, 0, 3, 4] and (csr.num_src, csr.num_dst) == (3, 3)
+    assert CSR(torch.zeros(1, dtype=_I64), torch.zeros(0, dtype=_I64), torch.zeros(0, dtype=_I64),
+               5, 0).num_edges == 0
+    # transpose() and to() build from already checked arrays: no second O(E) pass.
+    import kernels.csr as csr_module
+
+    def fail(*a, **k):
+        raise AssertionError("checked twice")
+
+    monkeypatch.setattr(csr_module, "_check_csr", fail)
+    monkeypatch.setattr(csr_module, "_check_ids", fail)
+    t = csr.transpose()
+    assert t.indptr.tolist() == [0, 2, 3, 4]
+    assert csr.to("cpu") is csr
