@@ -83,6 +83,11 @@ class VertexProgram(torch.nn.Module):
         from .engine import current_engine  # the streaming engine, when one is active
         engine = current_engine()
         if engine is not None:
+            if getattr(g, "graph_ops", None) is not None:
+                raise NotImplementedError(
+                    f"{type(self).__name__}: streaming a worker's piece of a distributed graph "
+                    "(ngra.Engine around a DistGraph) is not supported yet; call the layer "
+                    "outside the Engine block")
             return engine.run(program, g, vdata, edata)
         return program.run(g, vdata, edata, checked=True)
 
@@ -177,7 +182,9 @@ class Program:
         """Run on graph ``g``. ``fused=False`` runs the raw (unoptimized) IR."""
         if not checked:
             vdata, edata = check_inputs(self.layer, g, vdata, edata)
-        ops = GraphOps(g.in_csr(), backend)
+        # A worker's piece of a distributed graph brings its own ops (halo exchange).
+        make_ops = getattr(g, "graph_ops", None)
+        ops = make_ops(backend) if make_ops is not None else GraphOps(g.in_csr(), backend)
         if self.eager:
             prof = profile.current()
             if prof is not None:

@@ -1,0 +1,320 @@
+"""A worker's piece of a graph split over K workers, and the halo exchange that runs its layers.
+
+Every worker owns a set of vertices (a :func:`partition` of the graph), their in-edges and their
+rows of every vertex tensor. Its :class:`DistGraph` numbers its own vertices ``0..n-1`` (in
+global id order) and the *halo*, the sources of its in-edges owned by other workers,
+``n..n+h-1`` (grouped by owner rank, then global id). ``DistGraph`` is an :class:`ngra.Graph`
+with ``num_nodes = n`` (vertex tensors have the worker's ``n`` rows) whose in-edge CSR is
+bipartite: ``n + h`` sources, ``n`` destinations.
+
+Any vertex program (every layer of the zoo) runs on it unchanged: the compiled IR runs on the
+worker's rows, and where a vertex value crosses Scatter (the ``u`` operand of a g-SDDMM or a
+g-SpMM, after the lift pass moved the dense work before it: ``W h`` at the output width, not
+``h``) the value's halo rows are pulled from their owners through the memory-region transport
+(:class:`~ngra.distributed.transport.ExchangePlan`, planned once per row layout) and appended.
+Backward sends the halo rows' gradients back to their owners, which add them to their own.
+
+So each worker computes exactly the rows it owns, with the same per-row arithmetic and the same
+in-edge order as a single process; dense parameter gradients are then summed over the workers
+(:func:`sync_gradients`, with the loss divided by the global number of training vertices).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..executor import GraphOps
+from ..graph import Graph
+from .transport import Transport, TransportError
+
+__all__ = ["DistGraph", "partition", "sync_gradients", "PARTITION_METHODS"]
+
+PARTITION_METHODS = ("contiguous", "metis", "random")
+
+
+def partition(g: Graph, num_parts: int, *, method: str = "metis", seed: int = 0) -> torch.Tensor:
+    """The worker of every vertex, [N] int64 in ``[0, num_parts)`` (deterministic: every worker
+    computes the same one).
+
+    - ``"contiguous"``: vertex intervals with about equal in-edge counts (cheapest; good for
+      graphs whose ids follow locality);
+    - ``"metis"``: METIS k-way on the symmetrized graph (pymetis), which minimizes the edge cut
+      and so the halo traffic;
+    - ``"random"``: uniform at random (seeded), the worst case for traffic.
+    """
+    if not isinstance(g, Graph):
+        raise TypeError(f"partition: expected an ngra.Graph (got {type(g).__name__})")
+    if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
+        raise ValueError(f"partition: num_parts must be an int >= 1 (got {num_parts!r})")
+    n = g.num_nodes
+    if method == "contiguous":
+        deg = torch.bincount(g.dst.cpu(), minlength=n).numpy()
+        cum = np.concatenate([[0], np.cumsum(deg + 1)])  # +1: isolated vertices weigh too
+        bounds = np.searchsorted(cum, np.linspace(0, cum[-1], num_parts + 1)[1:-1], side="left")
+        part = np.zeros(n, dtype=np.int64)
+        for b in bounds:
+            part[b:] += 1
+        return torch.from_numpy(np.minimum(part, num_parts - 1))
+    if method == "random":
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(0, num_parts, (n,), generator=gen)
+    if method == "metis":
+        if num_parts == 1 or n == 0:
+            return torch.zeros(n, dtype=torch.int64)
+        try:
+            import pymetis
+        except ImportError as e:
+            raise ImportError("partition(method='metis') needs pymetis (pip install pymetis, or "
+                              "the 'partition' extra); or use method='contiguous'") from e
+        src, dst = g.src.cpu().numpy(), g.dst.cpu().numpy()
+        keep = src != dst
+        a = np.concatenate([src[keep], dst[keep]])
+        b = np.concatenate([dst[keep], src[keep]])
+        pairs = np.unique(a * n + b)
+        a, b = pairs // n, pairs % n
+        xadj = np.concatenate([[0], np.cumsum(np.bincount(a, minlength=n))])
+        opts = pymetis.Options(seed=seed)
+        _, parts = pymetis.part_graph(num_parts, xadj=xadj, adjncy=b, options=opts)
+        return torch.as_tensor(np.asarray(parts, dtype=np.int64))
+    raise ValueError(f"partition: method must be one of {list(PARTITION_METHODS)} "
+                     f"(got {method!r})")
+
+
+class _Halo:
+    """The exchange pattern of one worker's piece (shared by the DistGraphs derived from it):
+    ``need[p]`` = peer p's local ids of the halo rows it owns, in halo order. One region and one
+    plan per row layout, made on first use (collectively: every worker runs the same layers)."""
+
+    def __init__(self, transport: Transport, n: int, need: dict[int, torch.Tensor]):
+        self.transport = transport
+        self.n = n
+        self.need = need
+        self.plans: dict = {}
+        self.bytes_pulled = 0  # since creation, for benchmarks
+
+    def plan(self, row_shape: tuple, dtype: torch.dtype):
+        key = (row_shape, dtype)
+        plan = self.plans.get(key)
+        if plan is None:
+            name = f"halo{len(self.plans)}"
+            region = self.transport.alloc(name, self.n, row_shape, dtype)
+            plan = self.plans[key] = self.transport.plan(region, self.need)
+        return plan
+
+
+class _HaloExchange(torch.autograd.Function):
+    """``x`` [n, ...] -> ``[x; halo rows of x]`` [n + h, ...]; backward returns the halo rows'
+    gradients to their owners (summed into theirs)."""
+
+    @staticmethod
+    def forward(ctx, x, halo: _Halo):
+        plan = halo.plan(tuple(x.shape[1:]), x.dtype)
+        plan.region.set(x.detach())
+        recv = plan.pull()
+        halo.bytes_pulled += plan.bytes_received
+        ctx.halo, ctx.plan = halo, plan
+        return torch.cat([x, recv], 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = ctx.halo.n
+        mine = grad[:n].clone()
+        ctx.plan.push_add(grad[n:].contiguous(), mine)
+        return mine, None
+
+
+class DistOps(GraphOps):
+    """Graph ops of a worker: a source-side (``u``) operand gets its halo rows appended first.
+    Within one run a value is exchanged once however many ops read it."""
+
+    def __init__(self, csr, backend: str, halo: _Halo):
+        super().__init__(csr, backend)
+        self.halo = halo
+        self._extended: dict[int, tuple] = {}
+
+    def _extend(self, u):
+        if u is None:
+            return None
+        if u.shape[0] != self.halo.n:
+            raise ValueError(f"a source operand must have one row per vertex of this worker "
+                             f"({self.halo.n}) (got shape {tuple(u.shape)})")
+        hit = self._extended.get(id(u))
+        if hit is None or hit[0] is not u:
+            hit = self._extended[id(u)] = (u, _HaloExchange.apply(u, self.halo))
+        return hit[1]
+
+    def gsddmm(self, op, u, v, e):
+        return super().gsddmm(op, self._extend(u), v, e)
+
+    def gspmm(self, op, reduce, u, e):
+        return super().gspmm(op, reduce, self._extend(u), e)
+
+
+class DistGraph(Graph):
+    """One worker's piece of a graph (see the module docstring). Build it with
+    :meth:`from_global`; ``global_ids`` [n] are the global ids of its own vertices (so
+    ``x[dg.global_ids]`` are its rows of a global vertex tensor) and ``edge_ids`` [E_local] the
+    global ids of its edges (``feat[dg.edge_ids]``: its rows of an edge tensor)."""
+
+    __slots__ = ("_num_src", "_halo", "global_ids", "edge_ids", "halo_ids")
+
+    @classmethod
+    def from_global(cls, g: Graph, parts, transport: Transport) -> "DistGraph":
+        """This worker's piece of ``g`` under the vertex assignment ``parts`` [N] (every worker
+        passes the same ``g`` and ``parts``; see :func:`partition`)."""
+        if not isinstance(g, Graph):
+            raise TypeError(f"DistGraph.from_global: expected an ngra.Graph (got "
+                            f"{type(g).__name__})")
+        if isinstance(g, DistGraph):
+            raise TypeError("DistGraph.from_global: g is already a worker's piece; pass the "
+                            "whole graph")
+        K, r = transport.world_size, transport.rank
+        n_all = g.num_nodes
+        parts = torch.as_tensor(parts).cpu()
+        if parts.shape != (n_all,) or parts.dtype.is_floating_point or parts.dtype == torch.bool:
+            raise ValueError(f"parts must be an integer tensor [{n_all}] with the worker of every "
+                             f"vertex (got shape {tuple(parts.shape)}, dtype {parts.dtype})")
+        parts = parts.to(torch.int64)
+        if n_all and (int(parts.min()) < 0 or int(parts.max()) >= K):
+            bad = int(parts.min()) if int(parts.min()) < 0 else int(parts.max())
+            raise ValueError(f"parts holds worker {bad}, but there are {K} workers; parts must "
+                             f"lie in [0, {K})")
+        src, dst = g.src.cpu(), g.dst.cpu()
+        # Each vertex's id among its owner's vertices (owners number theirs in global order).
+        counts = torch.bincount(parts, minlength=K)
+        start = torch.cumsum(counts, 0) - counts
+        order = torch.sort(parts, stable=True).indices
+        local = torch.empty(n_all, dtype=torch.int64)
+        local[order] = torch.arange(n_all) - start[parts[order]]
+        own = torch.nonzero(parts == r).flatten()
+        n = own.numel()
+        eids = torch.nonzero(parts[dst] == r).flatten()
+        s, d = src[eids], dst[eids]
+        s_owner = parts[s]
+        foreign = s_owner != r
+        # Halo: foreign sources, grouped by owner, then by global id.
+        key = torch.unique(s_owner[foreign] * n_all + s[foreign])
+        halo = key % max(n_all, 1)
+        halo_owner = key // max(n_all, 1)
+        src_ext = local[s].clone()
+        src_ext[foreign] = n + torch.searchsorted(key, s_owner[foreign] * n_all + s[foreign])
+        need = {p: local[halo[halo_owner == p]] for p in range(K) if bool((halo_owner == p).any())}
+        dg = cls._make(src_ext.to(g.device), local[d].to(g.device), n, n + halo.numel(),
+                       _Halo(transport, n, need))
+        dg.global_ids, dg.edge_ids, dg.halo_ids = own.to(g.device), eids.to(g.device), \
+            halo.to(g.device)
+        return dg
+
+    @classmethod
+    def _make(cls, src, dst, n: int, num_src: int, halo: _Halo) -> "DistGraph":
+        dg = cls.__new__(cls)
+        dg._src, dg._dst, dg._num_nodes, dg._in_csr = src, dst, int(n), None
+        dg._num_src, dg._halo = int(num_src), halo
+        dg.global_ids = dg.edge_ids = dg.halo_ids = None
+        return dg
+
+    def _derive(self, src, dst, edge_ids) -> "DistGraph":
+        dg = DistGraph._make(src, dst, self._num_nodes, self._num_src, self._halo)
+        dg.global_ids, dg.halo_ids, dg.edge_ids = self.global_ids, self.halo_ids, edge_ids
+        return dg
+
+    # -- what differs from a Graph ----------------------------------------------------------
+    @property
+    def num_src(self) -> int:
+        """Sources of the in-edge CSR: own vertices plus the halo."""
+        return self._num_src
+
+    @property
+    def num_halo(self) -> int:
+        return self._num_src - self._num_nodes
+
+    @property
+    def transport(self) -> Transport:
+        return self._halo.transport
+
+    @property
+    def halo_bytes_pulled(self) -> int:
+        """Bytes of halo rows this worker received so far (all layers, forward only)."""
+        return self._halo.bytes_pulled
+
+    def in_csr(self):
+        if self._in_csr is None:
+            from kernels.csr import CSR
+
+            small = max(self._num_src, self._src.numel()) <= torch.iinfo(torch.int32).max
+            self._in_csr = CSR.from_coo(self._src, self._dst, (self._num_src, self._num_nodes),
+                                        index_dtype=torch.int32 if small else torch.int64)
+        return self._in_csr
+
+    def graph_ops(self, backend: str = "auto") -> DistOps:
+        """The ops one layer call runs on (a fresh exchange cache per call)."""
+        return DistOps(self.in_csr(), backend, self._halo)
+
+    def out_degrees(self) -> torch.Tensor:
+        raise NotImplementedError("DistGraph.out_degrees: a worker does not hold the out-edges of "
+                                  "its vertices (they are in other workers' pieces); compute them "
+                                  "on the whole graph and index with dg.global_ids")
+
+    def out_csr(self):
+        raise NotImplementedError("DistGraph.out_csr: a worker holds in-edges only")
+
+    def add_self_loops(self) -> "DistGraph":
+        loops = torch.arange(self._num_nodes, device=self.device)
+        extra = None if self.edge_ids is None else torch.full_like(loops, -1)
+        eids = None if self.edge_ids is None else torch.cat([self.edge_ids, extra])
+        return self._derive(torch.cat([self._src, loops]), torch.cat([self._dst, loops]), eids)
+
+    def remove_self_loops(self, *, return_eids: bool = False):
+        eids = torch.nonzero(self._src != self._dst).flatten()
+        dg = self._derive(self._src[eids], self._dst[eids],
+                          None if self.edge_ids is None else self.edge_ids[eids])
+        return (dg, eids) if return_eids else dg
+
+    def reverse(self):
+        raise NotImplementedError("DistGraph.reverse: reverse the whole graph, then partition it")
+
+    def to_simple(self, *, return_eids: bool = False):
+        raise NotImplementedError("DistGraph.to_simple: simplify the whole graph, then partition "
+                                  "it")
+
+    def to(self, device):
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        raise NotImplementedError("DistGraph.to: build the piece on its device instead "
+                                  "(DistGraph.from_global(g.to(device), ...))")
+
+    def __repr__(self) -> str:
+        t = self._halo.transport
+        return (f"DistGraph(rank={t.rank}/{t.world_size}, num_nodes={self._num_nodes}, "
+                f"num_halo={self.num_halo}, num_edges={self.num_edges})")
+
+
+def sync_gradients(module: torch.nn.Module, group=None) -> None:
+    """Sum every parameter's gradient over the workers (a parameter without a gradient on a
+    worker counts as zeros there), flattened into one all-reduce per dtype and device. With the
+    loss divided by the *global* number of training vertices, the result is the single-process
+    gradient."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    by_kind: dict = {}
+    for p in params:
+        by_kind.setdefault((p.dtype, p.device), []).append(p)
+    for (dtype, device), ps in by_kind.items():
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in ps])
+        try:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        except RuntimeError as e:
+            raise TransportError(f"sync_gradients: the all-reduce failed (a worker died or hung, "
+                                 f"or did not call sync_gradients): {e}") from e
+        offset = 0
+        for p in ps:
+            k = p.numel()
+            g = flat[offset:offset + k].view_as(p)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+            offset += k
