@@ -14,7 +14,8 @@ Every worker allocates the same named **regions** (a tensor ``[rows, *row_shape]
   row ids exchanged once, receive buffers preallocated). Each :meth:`ExchangePlan.pull` then moves
   raw rows only: on shared memory one ``index_select`` from the peer's mapped region into the
   receive buffer; between hosts (or with ``shared_memory=False``) one gather into a preallocated
-  send buffer and one ``all_to_all_single`` into the receive buffer (gloo on CPU, NCCL on GPU).
+  send buffer, then the rows go straight into the receive buffer (gloo on CPU: point-to-point
+  with each peer that has rows to move; NCCL on GPU: ``all_to_all_single``).
   No pickling, no per-message metadata. :meth:`ExchangePlan.push_add` is the reverse (halo
   gradients summed into their owners' rows).
 
@@ -29,10 +30,13 @@ nothing on the data path does.
 from __future__ import annotations
 
 import datetime
+import itertools
 import math
+import os
 import shutil
 import socket
 import tempfile
+import time
 import weakref
 from pathlib import Path
 
@@ -53,6 +57,21 @@ def _boot_id() -> str:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return ""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` is still running (an exited, not yet reaped one is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")  # zombie or dead
 
 
 class Region:
@@ -156,6 +175,8 @@ class Transport:
         self._regions: dict[str, Region] = {}
         self._plans = 0  # plans made so far: names their outboxes alike on every worker
         self._dir = None
+        self._fence_slots = None  # shared-memory fence, when every worker is on this host
+        self._fence_gen = 0
         if self.shared_memory:
             # One folder per job and host, made by the host's lowest rank; its name is broadcast.
             leader = min(local)
@@ -167,6 +188,20 @@ class Transport:
             self._dir = Path(every[leader])
             if self.rank == leader:
                 weakref.finalize(self, shutil.rmtree, self._dir, True)
+            if self.colocated == set(range(self.world_size)):
+                self._fence_slots = self._map_fence()
+
+    def _map_fence(self) -> torch.Tensor:
+        """int64 [2, world]: row 0 the fence generation each worker reached, row 1 its pid (to
+        tell a dead peer from a slow one). Shared by every worker of the host."""
+        path = self._dir / "fence"
+        slots = torch.from_file(str(path), shared=True, size=2 * self.world_size,
+                                dtype=torch.int64).view(2, self.world_size)
+        slots[1, self.rank] = os.getpid()
+        self._collective("setup", dist.barrier, group=self._cpu_group)
+        if self.rank == min(self.colocated):
+            path.unlink()  # every worker has it mapped; nothing is left behind on a crash
+        return slots
 
     # ---------------------------------------------------------------------------------------
     def _collective(self, what: str, fn, *args, **kwargs):
@@ -180,13 +215,48 @@ class Transport:
                 f"a worker died, hung, or did not make the same call ({e})") from e
 
     def fence(self) -> None:
-        """Order one-sided reads and writes with the peers' accesses (a barrier)."""
-        if self.backend == "gloo":
+        """Order one-sided reads and writes with the peers' accesses (a barrier).
+
+        With every worker on this host it is a barrier in shared memory (each worker bumps its
+        generation counter and waits until every counter has reached it; microseconds instead
+        of a process-group round trip); a peer that does not arrive within the timeout, or whose
+        process is gone, is a TransportError naming it. On x86 the stores before the counter
+        bump are visible to a peer that sees the bump (total store order)."""
+        if self._fence_slots is not None:
+            self._shm_fence()
+        elif self.backend == "gloo":
             # monitored_barrier names the ranks that did not arrive.
             self._collective("fence", dist.monitored_barrier, group=self._cpu_group,
                              timeout=datetime.timedelta(seconds=self.timeout))
         else:
             self._collective("fence", dist.barrier, group=self.group)
+
+    def _shm_fence(self) -> None:
+        slots = self._fence_slots
+        self._fence_gen += 1
+        gen = self._fence_gen
+        slots[0, self.rank] = gen
+        start = time.monotonic()
+        spins = 0
+        while True:
+            behind = (slots[0] < gen).nonzero().flatten().tolist()
+            if not behind:
+                return
+            spins += 1
+            if spins < 200:
+                os.sched_yield()
+                continue
+            time.sleep(50e-6)  # the peer may need this core
+            if spins % 1000 == 0:
+                waited = time.monotonic() - start
+                dead = [r for r in behind if not _alive(int(slots[1, r]))]
+                if dead or waited > self.timeout:
+                    why = (f"worker(s) {dead} exited" if dead else
+                           f"worker(s) {behind} did not arrive within {self.timeout:g} s")
+                    raise TransportError(
+                        f"rank {self.rank}: fence failed waiting for peers (timeout "
+                        f"{self.timeout:g} s): a worker died, hung, or did not make the same "
+                        f"call ({why})")
 
     def alloc(self, name: str, rows: int, row_shape=(), dtype: torch.dtype = torch.float32) -> Region:
         """Collective: every worker allocates region ``name`` with its own ``rows`` and the same
@@ -306,6 +376,32 @@ class Transport:
         else:
             region._written += 1
 
+    def _exchange(self, recv: torch.Tensor, send: torch.Tensor, recv_counts: list,
+                  send_counts: list) -> None:
+        """``all_to_all_single(recv, send, recv_counts, send_counts)`` of rows. On gloo it is
+        point-to-point per peer instead, skipping the peers with nothing to move (gloo's
+        all-to-all costs a round with every peer), with every wait bounded by the timeout."""
+        if self.backend != "gloo":
+            dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
+            return
+        r_off = [0] + list(itertools.accumulate(recv_counts))
+        s_off = [0] + list(itertools.accumulate(send_counts))
+        me = self.rank
+        if recv_counts[me]:
+            recv[r_off[me]:r_off[me + 1]].copy_(send[s_off[me]:s_off[me + 1]])
+        works = []
+        for p in range(self.world_size):
+            if p == me:
+                continue
+            peer = dist.get_global_rank(self.group, p) if self.group is not None else p
+            if send_counts[p]:
+                works.append(dist.isend(send[s_off[p]:s_off[p + 1]], peer, group=self.group))
+            if recv_counts[p]:
+                works.append(dist.irecv(recv[r_off[p]:r_off[p + 1]], peer, group=self.group))
+        limit = datetime.timedelta(seconds=self.timeout)
+        for w in works:
+            w.wait(limit)
+
     def plan(self, region: Region, need: dict[int, torch.Tensor]) -> "ExchangePlan":
         """Collective: an exchange that gives this worker rows ``need[peer]`` of each peer's
         copy of ``region`` (peers left out: none). Sizes and row ids are exchanged now, once."""
@@ -400,8 +496,8 @@ class ExchangePlan:
             t.fence()  # nobody overwrites rows that a peer is still reading
         else:
             torch.index_select(self.region.local, 0, self._serve_ids, out=self._send)
-            t._collective(f"pull({self.region.name!r})", dist.all_to_all_single, self.recv,
-                          self._send, self._recv_counts, self._send_counts, group=t.group)
+            t._collective(f"pull({self.region.name!r})", t._exchange, self.recv, self._send,
+                          self._recv_counts, self._send_counts)
         return self.recv
 
     def push_add(self, grad: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
@@ -430,7 +526,7 @@ class ExchangePlan:
         else:
             back = torch.empty((self._send.shape[0], *self.region.row_shape),
                                dtype=grad.dtype, device=grad.device)
-            t._collective(f"push_add({self.region.name!r})", dist.all_to_all_single, back,
-                          grad.contiguous(), self._send_counts, self._recv_counts, group=t.group)
+            t._collective(f"push_add({self.region.name!r})", t._exchange, back,
+                          grad.contiguous(), self._send_counts, self._recv_counts)
             into.index_add_(0, self._serve_ids.to(into.device), back)
         return into

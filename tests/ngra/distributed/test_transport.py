@@ -163,12 +163,12 @@ def test_bad_use_is_a_clear_error_on_every_worker(case, msg):
         assert msg.format(rank=rank, peer=1 - rank) in text, (rank, text)
 
 
-def _dead_or_hung_peer(rank, world, how):
+def _dead_or_hung_peer(rank, world, how, shm):
     import os
 
     from ngra.distributed import Transport, TransportError
 
-    t = Transport(timeout=3, shared_memory=False)
+    t = Transport(timeout=3, shared_memory=shm)
     region = t.register("h", _value(rank, 4))
     plan = t.plan(region, {1 - rank: torch.tensor([0, 1])})
     plan.pull()
@@ -186,9 +186,13 @@ def _dead_or_hung_peer(rank, world, how):
     return "no error"
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shm"])
 @pytest.mark.parametrize("how", ["dead", "hung"])
-def test_dead_or_hung_peer_is_an_error_within_the_timeout(how):
-    results = distutil.run(_dead_or_hung_peer, 2, how, timeout=120, may_die=(1,))
+def test_dead_or_hung_peer_is_an_error_within_the_timeout(how, shm):
+    results = distutil.run(_dead_or_hung_peer, 2, how, shm, timeout=120, may_die=(1,))
     elapsed, text = results[0]
     assert elapsed < 3 + 6, elapsed  # the 3 s timeout, plus slack for a loaded machine
     assert "failed waiting for peers (timeout 3 s): a worker died, hung" in text
+    if shm:  # the shared-memory fence tells which
+        assert ("worker(s) [1] exited" if how == "dead" else
+                "worker(s) [1] did not arrive within 3 s") in text, text
