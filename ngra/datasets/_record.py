@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,127 @@ import torch
 
 from ngra.graph import Graph
 
-__all__ = ["Dataset", "default_root", "row_normalize"]
+__all__ = ["Dataset", "DatasetError", "ChecksumError", "default_root", "row_normalize"]
+
+
+class DatasetError(ValueError):
+    """A dataset file is malformed, corrupt, or describes sizes this machine cannot hold.
+
+    Every loader raises it (never a bare numpy/scipy/pickle/zipfile error) with a message that
+    names the file and the offending value. It is a ``ValueError``, so ``except ValueError``
+    callers keep working.
+    """
+
+
+class ChecksumError(DatasetError):
+    """A file does not have the expected SHA-256 (downloaded, or loaded with a pinned checksum)."""
+
+
+# SHA-256 of the upstream files whose checksums are known: Cora in tkipf/gcn @ 39a4089f (the copy
+# this project's tests read). Keys are paths relative to a datasets root. Other datasets have no
+# pinned checksum (the npz copies in the shared test data are repacks, not the upstream files),
+# so their loaders rely on validating every array instead.
+PINNED_SHA256 = {
+    "planetoid/cora/ind.cora.allx": "9419ba2f26f5c35243db64aba110e0f35a04851609e0dc5433450676ca6b8543",
+    "planetoid/cora/ind.cora.ally": "2b998f5cc7fedc86e7f97ca2498f47a1ffc1462c29e2d578b23bf3f62b6e7d71",
+    "planetoid/cora/ind.cora.graph": "58f13302f39dde8852dad6fe6d15b89b077b6d7f837626bce671ef80344b383d",
+    "planetoid/cora/ind.cora.test.index": "297ce89af2b51a6a194181c7dbe1796c6a1cf9cd9349a88383b1b1e227867875",
+    "planetoid/cora/ind.cora.tx": "b9afbaa4a400df991f6f02ef677e1e44da55ffc04801fd02f9e673987829226a",
+    "planetoid/cora/ind.cora.ty": "41f5ac76596a1699cc33f53084a2419e92961c42bb75f36fc38e616d348532ad",
+    "planetoid/cora/ind.cora.x": "23cfa55d91c6f624233f5eb7b6e3f141f1bd2b2ae39608a63cf5d084bb27baab",
+    "planetoid/cora/ind.cora.y": "94465c14eb53e04ca262198dcbb2521ee8af60fb3f3d546cd6ca24a511b0e7d1",
+}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_pinned(path: Path, key: str) -> None:
+    """Raise :class:`ChecksumError` unless ``path`` has the pinned SHA-256 of ``key`` (if any)."""
+    expected = PINNED_SHA256.get(key)
+    if expected is None:
+        return
+    got = sha256_file(path)
+    if got != expected:
+        raise ChecksumError(
+            f"{path}: SHA-256 {got} does not match the expected {expected} of the published {key}; "
+            "the file is corrupt or was modified. Download it again (ngra.datasets.download(..., "
+            "force=True)), or, for a copy you changed on purpose, pass verify_checksums=False "
+            "(every array is then validated instead)"
+        )
+
+
+def available_memory() -> int:
+    """Bytes this process can still allocate: the kernel's MemAvailable (or free physical pages),
+    lowered to what an address-space limit (RLIMIT_AS) leaves."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            avail = 1 << 40
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            used = 0
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmSize:"):
+                        used = int(line.split()[1]) * 1024
+                        break
+            avail = min(avail, max(soft - used, 0))
+    except (ImportError, OSError, ValueError):
+        pass
+    return avail
+
+
+def format_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"  # unreachable
+
+
+def check_allocation(nbytes: int, path, what: str) -> None:
+    """Refuse, before allocating, what would need more than the memory available.
+
+    ``what`` names the value that asks for the memory, e.g. "test vertex 10000000000 (N = ...)".
+    """
+    avail = available_memory()
+    if nbytes > avail:
+        raise DatasetError(
+            f"{path}: {what} needs {format_bytes(nbytes)} of memory, more than the "
+            f"{format_bytes(avail)} available; the file is corrupt, or the dataset is too large for "
+            "this machine"
+        )
+
+
+def check_num_classes(max_label: int, num_nodes: int, path, where: str) -> None:
+    """Refuse a class id >= N for a graph of N vertices: it means more classes than vertices,
+    most of them empty, which only a corrupt file has (and per-class arrays such as logits
+    [N, C] could not even be allocated for an id like 10**9)."""
+    if max_label >= max(num_nodes, 1):
+        raise DatasetError(
+            f"{path}: {where} {max_label} is not a plausible class id for a graph of {num_nodes} "
+            f"vertices; class ids must lie in [0, {max(num_nodes, 1)}) (more classes than vertices "
+            "means the file is corrupt)"
+        )
 
 
 @dataclass(eq=False, repr=False)
@@ -170,7 +291,7 @@ def per_class_split(y: np.ndarray, num_classes: int, train_per_class: int, val_p
     counts = np.bincount(y[y >= 0], minlength=num_classes)
     if num_classes and counts.min() < need:
         c = int(counts.argmin())
-        raise ValueError(
+        raise DatasetError(
             f"{source}: class {c} has only {counts[c]} labelled nodes, fewer than "
             f"train_per_class + val_per_class = {train_per_class} + {val_per_class}; lower them"
         )

@@ -22,16 +22,12 @@ from typing import Callable, BinaryIO
 
 from tqdm.auto import tqdm
 
-from ._record import default_root
+from ._record import PINNED_SHA256, ChecksumError, default_root
 from .npz import NPZ_FILES
 from .ogb import OGB_NODE
 from .planetoid import PLANETOID_NAMES, planetoid_files
 
 __all__ = ["download", "ChecksumError"]
-
-
-class ChecksumError(ValueError):
-    """A downloaded or existing file does not have the expected SHA-256."""
 
 
 @dataclass(frozen=True)
@@ -46,18 +42,8 @@ _PLANETOID_URL = "https://github.com/tkipf/gcn/raw/master/gcn/data/"
 _NPZ_URL = "https://github.com/shchur/gnn-benchmark/raw/master/data/npz/"
 _OGB_URL = "http://snap.stanford.edu/ogb/data/nodeproppred/"
 
-# Checksums of the Cora files in tkipf/gcn @ 39a4089f (the copy this project's tests read).
-# The other files' checksums could not be obtained offline; they are recorded on first download.
-_PINNED = {
-    "planetoid/cora/ind.cora.allx": "9419ba2f26f5c35243db64aba110e0f35a04851609e0dc5433450676ca6b8543",
-    "planetoid/cora/ind.cora.ally": "2b998f5cc7fedc86e7f97ca2498f47a1ffc1462c29e2d578b23bf3f62b6e7d71",
-    "planetoid/cora/ind.cora.graph": "58f13302f39dde8852dad6fe6d15b89b077b6d7f837626bce671ef80344b383d",
-    "planetoid/cora/ind.cora.test.index": "297ce89af2b51a6a194181c7dbe1796c6a1cf9cd9349a88383b1b1e227867875",
-    "planetoid/cora/ind.cora.tx": "b9afbaa4a400df991f6f02ef677e1e44da55ffc04801fd02f9e673987829226a",
-    "planetoid/cora/ind.cora.ty": "41f5ac76596a1699cc33f53084a2419e92961c42bb75f36fc38e616d348532ad",
-    "planetoid/cora/ind.cora.x": "23cfa55d91c6f624233f5eb7b6e3f141f1bd2b2ae39608a63cf5d084bb27baab",
-    "planetoid/cora/ind.cora.y": "94465c14eb53e04ca262198dcbb2521ee8af60fb3f3d546cd6ca24a511b0e7d1",
-}
+# Pinned checksums: see _record.PINNED_SHA256 (the loaders check the same ones).
+_PINNED = PINNED_SHA256
 
 
 def remotes(name: str) -> tuple[Remote, ...]:

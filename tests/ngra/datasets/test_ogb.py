@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ngra.datasets import load, read_edge_list
+from ngra.datasets import DatasetError, load, read_edge_list
 from ngra.datasets.ogb import read_ogb_node
 from tests.ngra.datasets.dataset_files import gz, write_ogb
 
@@ -115,3 +115,63 @@ def test_edge_list_errors(tmp_path, text, kwargs, exc, match):
         read_edge_list(p, **kwargs)
     with pytest.raises(FileNotFoundError, match=r"nope\.txt not found"):
         read_edge_list(tmp_path / "nope.txt")
+
+
+# -- hardening: implausible sizes and ids are refused, naming the value, before allocation ----
+
+def test_ogb_vertex_count_too_large(tmp_path):
+    write_ogb(tmp_path)
+    gz(tmp_path / "raw" / "num-node-list.csv.gz", [str(10**15)])
+    with pytest.raises(DatasetError, match=r"num-node-list\.csv\.gz: vertex count 1000000000000000 \(N = "
+                                           r"1000000000000000 vertices, ~32 bytes each\) needs 32\.0 PB of memory"):
+        read_ogb_node(tmp_path)
+
+
+@pytest.mark.parametrize("label", ["1000000000", "1000000000000", "inf"])
+def test_ogb_absurd_label(tmp_path, label):
+    # accepted before: num_classes = 10**12 + 1 (and inf became a garbage int64)
+    write_ogb(tmp_path, labels=[label] + [str(i % 4) for i in range(1, 12)])
+    with pytest.raises(DatasetError, match=r"node-label\.csv\.gz: label \d+ is not a plausible class id for a "
+                                           r"graph of 12 vertices; class ids must lie in \[0, 12\)"):
+        read_ogb_node(tmp_path)
+
+
+def test_gzip_without_newlines_is_refused_early(tmp_path, monkeypatch):
+    import ngra.datasets.text as text
+
+    monkeypatch.setattr(text, "_MAX_LINE_CHARS", 10_000)
+    monkeypatch.setattr(text, "_BLOCK_CHARS", 4096)
+    write_ogb(tmp_path)
+    gz(tmp_path / "raw" / "node-feat.csv.gz", ["1" * 100_000])  # one line, no newline until the end
+    with pytest.raises(DatasetError, match=r"node-feat\.csv\.gz: line 1 is longer than 10000 characters"):
+        read_ogb_node(tmp_path)
+
+
+def test_table_larger_than_memory_is_refused_while_reading(tmp_path, monkeypatch):
+    import ngra.datasets._record as record
+    import ngra.datasets.text as text
+
+    monkeypatch.setattr(text, "_BLOCK_CHARS", 4096)
+    monkeypatch.setattr(record, "available_memory", lambda: 100_000)
+    path = tmp_path / "big.txt"
+    path.write_text("".join(f"{i} {i + 1}\n" for i in range(20_000)))
+    with pytest.raises(DatasetError, match=r"big\.txt: the table up to line \d+ needs [\d.]+ KB of memory, more "
+                                           r"than the 100\.0 KB available"):
+        read_edge_list(path)
+
+
+def test_edge_list_huge_vertex_id(tmp_path):
+    # accepted before: a Graph of 2**40 + 1 vertices, whose CSR alone needs 8.8 TB
+    p = tmp_path / "e.txt"
+    p.write_text(f"0 1\n1 {2**40}\n")
+    with pytest.raises(DatasetError, match=r"e\.txt: vertex id 1099511627776 \(edge 1 of the file\) \(N = "
+                                           r"1099511627777 vertices, ~32 bytes each\) needs 35\.2 TB of memory"):
+        read_edge_list(p)
+
+
+@pytest.mark.parametrize("text", [f"0 {2**63}\n", "0 1\n\x00\x00\n", "0 1\n\xff\n"])
+def test_edge_list_unparseable(tmp_path, text):
+    p = tmp_path / "e.txt"
+    p.write_bytes(text.encode("latin1"))
+    with pytest.raises(DatasetError, match=r"e\.txt: cannot (parse lines|read)"):
+        read_edge_list(p)
