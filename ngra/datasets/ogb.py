@@ -91,7 +91,26 @@ def read_ogb_node(directory, *, name: str | None = None, add_inverse_edge: bool 
     num_classes = int(y.max()) + 1 if known.any() else 0
 
     masks = [_split_mask(directory, split, part, n) for part in ("train", "valid", "test")]
+    parts = ("train", "valid", "test")
+    for part, m in zip(parts, masks):
+        unlabelled = np.flatnonzero(m.numpy() & (y < 0))
+        if unlabelled.size:
+            raise DatasetError(f"{_split_path(directory, split, part)}: vertex {int(unlabelled[0])} has no label "
+                               f"(nan in node-label.csv.gz); a split may only hold labelled vertices")
+    for i, a in enumerate(parts):
+        for b in parts[i + 1:]:
+            both = np.flatnonzero(masks[i].numpy() & masks[parts.index(b)].numpy())
+            if both.size:
+                raise DatasetError(f"{_split_path(directory, split, b)}: vertex {int(both[0])} is also in "
+                                   f"{a}.csv.gz; splits must be disjoint")
     return Dataset(name or directory.name, graph, x, torch.from_numpy(y), *masks, num_classes)
+
+
+def _split_path(directory: Path, split: str | None, part: str) -> Path:
+    root = directory / "split"
+    if split is None:
+        split = next(p.name for p in root.iterdir() if p.is_dir())
+    return root / split / f"{part}.csv.gz"
 
 
 def _scalar(path: Path) -> int:
@@ -107,7 +126,7 @@ def _split_mask(directory: Path, split: str | None, part: str, n: int) -> torch.
         schemes = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
         if len(schemes) != 1:
             raise DatasetError(f"{root}: expected exactly one split scheme directory, found {schemes}; "
-                             "pass split=<name>")
+                               "pass split=<name>")
         split = schemes[0]
     path = root / split / f"{part}.csv.gz"
     ids = read_table(path, dtype=np.int64, columns=1).ravel()

@@ -104,9 +104,11 @@ def read_planetoid(directory, name: str, *, verify_checksums: bool = True) -> Da
     if n_train + _NUM_VAL > n_all:
         raise DatasetError(f"{paths['ally']}: has {n_all} rows, too few for {n_train} training "
                            f"+ {_NUM_VAL} validation vertices")
-    if (feats["x"] != feats["allx"][:n_train]).nnz or not np.array_equal(onehot["y"], onehot["ally"][:n_train]):
-        raise DatasetError(f"{paths['x']}: the training rows in x/y differ from the first {n_train} "
-                           f"rows of allx/ally; the files do not belong together")
+    for small, full, differ in (("x", "allx", lambda: (feats["x"] != feats["allx"][:n_train]).nnz),
+                                ("y", "ally", lambda: not np.array_equal(onehot["y"], onehot["ally"][:n_train]))):
+        if differ():
+            raise DatasetError(f"{paths[small]}: the training rows differ from the first {n_train} rows of "
+                               f"{paths[full].name}; the files do not belong together (or one is corrupt)")
     if test_index.size:
         if test_index.min() < n_all:
             raise DatasetError(f"{paths['test.index']}: test vertex {int(test_index.min())} is also "

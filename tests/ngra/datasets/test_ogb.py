@@ -119,6 +119,19 @@ def test_edge_list_errors(tmp_path, text, kwargs, exc, match):
 
 # -- hardening: implausible sizes and ids are refused, naming the value, before allocation ----
 
+@pytest.mark.parametrize("splits, match", [
+    # the Dataset record refused these with a ValueError that named no file
+    ({"train": [0, 10], "valid": [6], "test": [9]}, r"split/time/train\.csv\.gz: vertex 10 has no label \(nan in "
+                                                    r"node-label\.csv\.gz\); a split may only hold labelled vertices"),
+    ({"train": [0, 1], "valid": [6], "test": [1]}, r"split/time/test\.csv\.gz: vertex 1 is also in train\.csv\.gz; "
+                                                   r"splits must be disjoint"),
+])
+def test_ogb_split_files_checked_against_labels(tmp_path, splits, match):
+    write_ogb(tmp_path, labels=["nan" if i in (10, 11) else "1" for i in range(12)], splits=splits)
+    with pytest.raises(DatasetError, match=match):
+        read_ogb_node(tmp_path)
+
+
 def test_ogb_vertex_count_too_large(tmp_path):
     write_ogb(tmp_path)
     gz(tmp_path / "raw" / "num-node-list.csv.gz", [str(10**15)])
