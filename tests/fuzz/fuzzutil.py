@@ -7,7 +7,11 @@ A *target* is a class in a test module with:
 - ``make(directory) -> list[str]``: write the clean files into ``directory`` and return the
   relative paths of the files to corrupt;
 - ``load(directory)``: read them back with the public API and return their content (tensors,
-  arrays, numbers, strings, nested in dicts / lists / tuples / dataclasses).
+  arrays, numbers, strings, nested in dicts / lists / tuples / dataclasses);
+- optionally ``reference(directory)``: for formats that carry no checksum, where a changed byte
+  can be a different but valid file (a digit in a text edge list), an independent, slow reading
+  of the same files by the format's specification, returning what ``load`` should return, or
+  raising any exception for bytes that are not a valid file.
 
 Each fault is one mutation of one of those files. The child loads the mutated copy and classifies
 it:
@@ -15,7 +19,11 @@ it:
 - ``refused``: one of ``errors`` was raised and its message names the corrupted file (its base
   name, or for a file inside a folder, the folder's name);
 - ``identical``: loaded with exactly the clean content (e.g. a flipped bit in padding);
-- ``changed``: loaded but the content differs -- a silent change, a failure;
+- ``valid-change`` (only for targets with ``reference``): loaded content that differs from the
+  clean file's but equals what the reference reads from the mutated bytes -- the format cannot
+  tell this file from a genuine one, and the loader read it exactly as specified;
+- ``changed``: loaded but the content differs (and, with a ``reference``, differs from the
+  reference's reading, or the reference refuses those bytes) -- a silent change, a failure;
 - ``wrong-error``: another exception type, or a message that does not name the file -- a failure;
 - ``crashed`` (seen by the parent): the child died by a signal or ran past its time limit while
   loading that fault -- a failure.
@@ -199,27 +207,44 @@ def _child(spec: str, workdir: str, faults_json: str, out: str) -> None:
             except BaseException as e:  # noqa: BLE001 - classifying every escape is the point
                 outcome, detail = "wrong-error", f"{type(e).__name__}: {e}"
             else:
-                outcome = "identical" if got == clean_digest else "changed"
-                detail = ""
+                outcome, detail = ("identical", "") if got == clean_digest else _changed(target, case, got)
             log.write(json.dumps({"index": fault.index, "outcome": outcome,
                                   "detail": detail[:400]}) + "\n")
             log.flush()
             shutil.rmtree(case, ignore_errors=True)
 
 
+def _changed(target, case: Path, got: str) -> tuple[str, str]:
+    """Classify a load whose content differs from the clean one (see the module docstring)."""
+    if not hasattr(target, "reference"):
+        return "changed", ""
+    try:
+        expected = digest(target.reference(case))
+    except Exception as e:  # noqa: BLE001 - any refusal by the reference
+        return "changed", f"loaded, but the reference refuses these bytes: {type(e).__name__}: {e}"
+    if expected != got:
+        return "changed", "loaded content differs from the reference's reading of the same bytes"
+    return "valid-change", ""
+
+
 # --------------------------------------------------------------------------------------------
 # Parent side.
+
+OK_OUTCOMES = ("refused", "identical", "valid-change")
 
 @dataclasses.dataclass
 class Report:
     target: str
     counts: Counter
     failures: list[str]
+    has_reference: bool = False
 
     def __str__(self) -> str:
         c = self.counts
+        valid = (f"{c['valid-change']} loaded a different valid file exactly as the reference reads "
+                 "it, " if self.has_reference or c["valid-change"] else "")
         return (f"{self.target}: {sum(c.values())} faults injected, {c['refused']} refused, "
-                f"{c['identical']} loaded identical, {c['crashed']} crashed, "
+                f"{c['identical']} loaded identical, {valid}{c['crashed']} crashed, "
                 f"{c['changed']} accepted wrongly (changed), {c['wrong-error']} wrong errors")
 
 
@@ -277,7 +302,7 @@ def run(spec: str, *, count: int, seed: int = 0, timeout: float = 240.0,
             by_index = {f.index: f for f in pending}
             for idx, rec in done.items():
                 counts[rec["outcome"]] += 1
-                if rec["outcome"] not in ("refused", "identical"):
+                if rec["outcome"] not in OK_OUTCOMES:
                     failures.append(f"{by_index[idx].describe()}: {rec['outcome']} {rec['detail']}")
             if started is None and proc.returncode != 0:
                 tail = output.decode(errors="replace")[-2000:]
@@ -290,7 +315,7 @@ def run(spec: str, *, count: int, seed: int = 0, timeout: float = 240.0,
                 failures.append(f"{by_index[started].describe()}: crashed ({how}): "
                                 + output.decode(errors="replace")[-500:])
             pending = [f for f in pending if f.index not in done and f.index != started]
-        return Report(spec.rpartition("::")[2], counts, failures)
+        return Report(spec.rpartition("::")[2], counts, failures, hasattr(target, "reference"))
 
 
 def _now() -> float:
@@ -301,7 +326,8 @@ def _now() -> float:
 
 def check(spec: str, *, count: int, seed: int = 0, timeout: float = 240.0) -> Report:
     """Run the faults and fail (naming each bad fault) unless every one was refused with the
-    project's error naming the file, or loaded identical."""
+    project's error naming the file, or loaded identical (or, for a target with a ``reference``,
+    loaded exactly as the reference reads the changed bytes)."""
     report = run(spec, count=count, seed=seed, timeout=timeout)
     print(report)
     if report.failures:

@@ -49,6 +49,20 @@ class Unchecked(_Numbers):
         return text
 
 
+class UncheckedWithReference(Unchecked):
+    """Any text is a valid file of this format: the reference reads it the same way."""
+
+    def reference(self, directory: Path):
+        return (directory / "numbers.txt").read_bytes().decode("latin1")
+
+
+class UncheckedWrongReference(Unchecked):
+    """The reference (the format's rule: the last line is the sum) refuses what load accepts."""
+
+    def reference(self, directory: Path):
+        return Checked().load(directory)
+
+
 class Crashing(_Numbers):
     """Dies by a signal on anything but the clean file."""
 
@@ -85,6 +99,14 @@ def test_silent_change_is_reported():
     assert report.counts["changed"] == 20
     with pytest.raises(AssertionError, match="accepted wrongly"):
         fuzzutil.check(f"{THIS}::Unchecked", count=5, seed=2)
+
+
+def test_reference_separates_valid_changes_from_silent_ones():
+    report = fuzzutil.check(f"{THIS}::UncheckedWithReference", count=20, seed=2)
+    assert report.counts["valid-change"] == 20 and "20 loaded a different valid file" in str(report)
+    report = fuzzutil.run(f"{THIS}::UncheckedWrongReference", count=20, seed=2)
+    assert report.counts["changed"] == 20, report
+    assert all("the reference refuses these bytes: ValueError" in f for f in report.failures)
 
 
 def test_crash_is_attributed_and_the_run_goes_on():
