@@ -239,6 +239,16 @@ class DistGraph(Graph):
         """Bytes of halo rows this worker received so far (all layers, forward only)."""
         return self._halo.bytes_pulled
 
+    def exchange_stats(self) -> dict:
+        """Totals over this piece's exchange plans so far: ``pulls``, ``pushes``, seconds
+        ``pull_s`` / ``push_s`` / ``wait_s``, CPU seconds ``cpu_s`` and ``bytes_in`` /
+        ``bytes_out`` (rows crossing to or from other workers, forward and backward)."""
+        out: dict = {}
+        for plan in self._halo.plans.values():
+            for k, v in plan.stats.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
     def in_csr(self):
         if self._in_csr is None:
             from kernels.csr import CSR

@@ -1,0 +1,37 @@
+"""Smoke test of benchmarks/distributed.py on a tiny R-MAT graph: real worker processes for
+K = 1, 2, 3, the rows, the model check and the projection are printed, two workers exchange
+halo bytes, and a worker's piece shrinks with K (the timings mean nothing here)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "distributed.py"
+
+
+def test_distributed_benchmark_tiny():
+    res = subprocess.run([sys.executable, str(SCRIPT), "--graphs", "rmat", "--rmat-scale", "10",
+                          "--rmat-edges", "8000", "--features", "16", "--hidden", "8",
+                          "--epochs", "1", "--workers", "1,2,3", "--methods", "contiguous,random",
+                          "--project", "6"],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = res.stdout
+    rows = {}
+    for m in re.finditer(r"^ +(\S+) K=(\d): halo MiB/epoch in +([\d.]+) \|.*piece +([\d.]+) MiB",
+                         out, re.M):
+        rows[(m.group(1), int(m.group(2)))] = (float(m.group(3)), float(m.group(4)))
+    assert set(rows) == {("-", 1), ("contiguous", 2), ("contiguous", 3), ("random", 2),
+                         ("random", 3)}, out
+    assert rows[("-", 1)][0] == 0 and rows[("random", 2)][0] > 0
+    assert rows[("random", 3)][1] < rows[("-", 1)][1]
+    assert re.search(r"check: K=3 +random predicted [\d.]+ ms from K<3, measured", out), out
+    assert re.search(r"projected K= +6 +random: epoch", out), out
+
+
+def test_bad_workers_is_a_usage_error():
+    res = subprocess.run([sys.executable, str(SCRIPT), "--workers", "0"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 2 and "--workers must be between 1 and 16" in res.stderr
