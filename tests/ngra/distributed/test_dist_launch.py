@@ -1,0 +1,68 @@
+"""Worker launch helpers: the launcher's environment, torch's elastic launcher starting real
+workers, and a worker's rows of a dataset record."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ngra.distributed.launch import WorkerInfo, launch, local_record, worker_info
+
+
+def test_worker_info_from_the_environment(monkeypatch):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(k, raising=False)
+    assert worker_info() == WorkerInfo(0, 1, 0, 0) and not worker_info().distributed
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert worker_info() == WorkerInfo(2, 3, 0, 1) and worker_info().distributed
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(ValueError, match="RANK=3 and WORLD_SIZE=3 from the environment are "
+                                         "inconsistent"):
+        worker_info()
+    monkeypatch.setenv("RANK", "two")
+    with pytest.raises(ValueError, match="RANK='two' must be an integer"):
+        worker_info()
+
+
+def test_launch_starts_workers_through_the_elastic_launcher(tmp_path):
+    # A tiny module run as `python -m`, in a child process so the launcher's signal handlers
+    # and workers stay out of pytest.
+    pkg = tmp_path / "hello_workers.py"
+    pkg.write_text("import os, sys\n"
+                   "open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK']), 'w').write(\n"
+                   "    os.environ['WORLD_SIZE'] + ' ' + os.environ['MASTER_PORT'])\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]);"
+            "from ngra.distributed.launch import launch;"
+            "launch([sys.argv[1]], 3, module='hello_workers')")
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=300, env={**__import__("os").environ,
+                                                      "PYTHONPATH": str(tmp_path)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    seen = [(tmp_path / f"rank{r}").read_text().split() for r in range(3)]
+    assert {w for w, _ in seen} == {"3"} and len({p for _, p in seen}) == 1
+    with pytest.raises(ValueError, match="nproc must be an int >= 1"):
+        launch([], 0)
+
+
+def test_local_record_takes_the_workers_rows():
+    class Piece:
+        global_ids = torch.tensor([1, 3])
+
+    class Data:
+        name = "toy"
+        x = torch.arange(8.0).reshape(4, 2)
+        y = torch.tensor([0, 1, 2, 3])
+        train_mask = torch.tensor([True, False, True, True])
+        val_mask = None
+        test_mask = torch.tensor([False, True, False, False])
+
+    rec = local_record(Data(), Piece())
+    assert rec.x.tolist() == [[2.0, 3.0], [6.0, 7.0]] and rec.y.tolist() == [1, 3]
+    assert rec.train_mask.tolist() == [False, True] and rec.val_mask is None
+    assert rec.test_mask.tolist() == [True, False] and rec.name == "toy"
