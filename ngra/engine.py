@@ -95,9 +95,10 @@ import partition
 from partition.chunk_grid import interval_bounds, interval_of
 
 from . import profile
-from .executor import GraphOps, eval_node
+from .executor import EdgeRandom, GraphOps, eval_node
 from .graph import Graph
 from .ir import IR, Node, map_nodes
+from .passes import is_pure, row_mixing
 
 __all__ = ["Engine", "current_engine", "StreamPlan", "TensorMemory"]
 
@@ -140,17 +141,28 @@ class StreamPlan:
     def of(cls, ir: IR) -> "StreamPlan":
         edge_ids: set[int] = set()
         post_ids: set[int] = set()
+        after_gather = False
         for n in ir.nodes:
             ins = n.inputs()
             if n.op == "output":
                 continue
-            if n.op in _EDGE_OPS or n.domain == "edge":
+            # A global value read from edge values (a reduction over dim 0) is computed in the
+            # edge part too; Engine.run refuses it when there is more than one column.
+            if n.op in _EDGE_OPS or n.domain == "edge" or (
+                    n.domain == "global" and any(id(a) in edge_ids and a.op not in _REDUCTIONS
+                                                 for a in ins)):
                 if n.op in _REDUCTIONS or any(id(a) in post_ids for a in ins):
                     # Reductions' outputs are vertex values; a node reading them is post.
                     (edge_ids if n.op in _REDUCTIONS else post_ids).add(id(n))
+                    after_gather = after_gather or n.op in _REDUCTIONS
                 else:
                     edge_ids.add(id(n))
             elif any(id(a) in post_ids or (id(a) in edge_ids and a.op in _REDUCTIONS) for a in ins):
+                post_ids.add(id(n))
+                after_gather = True
+            elif after_gather and not is_pure(n):
+                # A random vertex op written after the Gather (dropout in ApplyVertex) draws after
+                # the edge part in memory: so it does here, or the two would draw other numbers.
                 post_ids.add(id(n))
         pre = [n for n in ir.nodes if id(n) not in edge_ids and id(n) not in post_ids
                and n.op != "output"]
@@ -639,6 +651,8 @@ class Engine:
             return program.run(g, vdata, edata, checked=True)
         plan = StreamPlan.of(program.ir)
         p = self._num_intervals(program, g)
+        if p > 1:
+            _check_rowwise(program, plan, p)
         # Before the call: a first call's estimate includes preparing the columns.
         estimate = None if self._probing else self.estimate(program, g, p)
         layout = self._layout(g, p)
@@ -845,6 +859,9 @@ class _Run:
 
     def execute(self):
         plan = self.plan
+        # Edge dropout's seeds, drawn first as in memory (executor.run_ir): every column, and
+        # backward's rebuild of it, masks each edge as the whole graph in memory does.
+        self.rng = EdgeRandom.draw(self.program.ir, self.layer)
         env: dict[int, Any] = {}
         out_node = self.program.ir.output.args[0]
         keep = plan.needs | plan.post_reads | {id(out_node)}
@@ -977,6 +994,7 @@ class _Run:
         ``watch.done(k, value)`` after. ``partial``: ``col`` is one chunk of a column, and a mean
         is reduced as a sum (divided by the in-degree once the column is done)."""
         ops = GraphOps(col.csr, self.engine.backend)
+        rng = self.rng.at(col.eids)
         plan = self.plan
         nodes = plan.edge if upto is None else plan.edge[:upto + 1]
         env: dict[int, Any] = {}
@@ -1017,13 +1035,38 @@ class _Run:
             else:
                 args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
                 value = self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, ops,
-                                                        self.vdata, self.edata))
+                                                        self.vdata, self.edata, rng))
             env[id(n)] = value
             if watch is not None:
                 watch.done(k, value)
             for dead in drops.get(k, ()):
                 env.pop(dead, None)
         return env
+
+
+def _check_rowwise(program, plan: StreamPlan, p: int) -> None:
+    """Refuse an edge part that mixes rows across edges: the engine runs it on one column of
+    edges at a time, where such an op (batch norm in training, softmax / norm / cumsum / flip over
+    dim 0, a dim-0 mean, ...) would see only that column's rows and silently compute something
+    else than in memory. (The edge softmax and the Gather are per destination, complete within a
+    column.)"""
+    for n in plan.edge:
+        if not n.op.startswith("call_"):
+            continue
+        reason = row_mixing(n)
+        if reason is None and n.domain == "global":
+            reason = f"its value {list(n.shape or ())} has no row per edge"
+        if reason is None:
+            continue
+        where = f" at {n.source}" if n.source else ""
+        raise ValueError(
+            f"ngra.Engine cannot stream {type(program.layer).__name__}: %{n.name} = "
+            f"{n.format().split(' = ', 1)[1]}{where} mixes rows across edges ({reason}). The "
+            f"engine runs the edge part on one column of edges at a time (P = {p}), where this "
+            "op would see only that column's edges and give another result than in memory. "
+            "Compute it in apply_vertex on vertex values (every vertex is present at once there), "
+            "make it act per edge (a non-zero dim), or call the layer outside the Engine block "
+            f"(in memory, where it is correct).\nIR:\n{program.ir}")
 
 
 def _reducer(n: Node) -> str:

@@ -8,6 +8,7 @@ autograd covers vertex data, edge data and parameters alike.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -18,7 +19,8 @@ from . import profile
 from .batch import EdgeBatch, VertexBatch, check_message, check_scatter
 from .ir import IR, Node, map_nodes
 
-__all__ = ["GraphOps", "run_ir", "run_eager", "propagate_shapes"]
+__all__ = ["GraphOps", "run_ir", "run_eager", "propagate_shapes", "EdgeRandom", "edge_dropout",
+           "draw_seeds"]
 
 # Ops the kernels implement directly; the others are rewritten onto these below.
 _KERNEL_SDDMM = {"u_add_v", "u_sub_v", "u_mul_v", "u_dot_v", "u_add_e", "u_mul_e", "u_dot_e",
@@ -104,9 +106,118 @@ def _last_uses(ir: IR) -> dict[int, list[Node]]:
     return out
 
 
-def eval_node(n: Node, args: tuple, kwargs: dict, layer, ops: GraphOps, vdata: dict, edata: dict):
-    """Evaluate one node whose arguments are already values."""
+# -- edge dropout: one mask per edge, whatever the partition ------------------------------------------
+# Dropout on edge values draws its mask from a counter-based generator keyed by (seed, global edge
+# id, element of the row) instead of torch's sequential stream: torch's mask for a row depends on
+# how many numbers were drawn before it, so a column of edges streamed on its own would get other
+# masks than the whole graph in memory. Here edge k keeps element j of its row iff
+# splitmix64(seed_state + (k * row_numel + j) * golden) falls below (1 - p) * 2^24 (top 24 bits),
+# so every partition, every pass and backward's rebuild of a column see the same mask.
+# ``seed`` is drawn from torch's default generator once per call (torch.manual_seed reproduces it).
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+_DROPOUT_FUNCTIONS = (torch.nn.functional.dropout, torch.dropout)
+
+
+def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _srl(z, 30)) * _MIX1  # int64 products wrap, as the uint64 ones of splitmix64 do
+    z = (z ^ _srl(z, 27)) * _MIX2
+    return z ^ _srl(z, 31)
+
+
+def _to_int64(v: int) -> int:
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def edge_dropout(x: torch.Tensor, p: float, seed: int, edge_ids: torch.Tensor | None,
+                 inplace: bool = False) -> torch.Tensor:
+    """Dropout of an edge value ``x`` [R, ...] whose rows are the edges ``edge_ids`` [R] (global
+    edge ids; None: rows 0..R-1): element j of edge k is kept, scaled by 1 / (1 - p), with
+    probability 1 - p, decided by a hash of (seed, k, j) alone. Gradients flow as through
+    ``F.dropout`` (the mask is a constant)."""
+    if p == 0 or x.numel() == 0:
+        return x
+    if p == 1:
+        return x.mul_(0) if inplace else x * 0
+    row = math.prod(x.shape[1:])
+    ids = torch.arange(x.shape[0], device=x.device) if edge_ids is None else \
+        edge_ids.to(device=x.device, dtype=torch.int64)
+    key = ids.reshape(-1, 1) * row + torch.arange(row, device=x.device)
+    state = _to_int64(int(_splitmix64(torch.tensor(seed, dtype=torch.int64)).item()))
+    bits = _srl(_splitmix64(key * _GOLDEN + state), 40)  # the top 24 bits, uniform
+    keep = bits < int(round((1.0 - p) * (1 << 24)))
+    noise = keep.to(x.dtype).div_(1.0 - p).reshape(x.shape)
+    return x.mul_(noise) if inplace else x * noise
+
+
+def dropout_spec(n: Node, layer) -> tuple[float, bool, bool] | None:
+    """``(p, training, inplace)`` of a dropout node (``F.dropout``, ``torch.dropout``,
+    ``nn.Dropout``), read at run time (a module's flags may change); None for other nodes."""
+    if n.op == "call_module":
+        m = layer.get_submodule(n.target)
+        if type(m) is torch.nn.Dropout and len(n.args) == 1 and not n.kwargs:
+            return float(m.p), bool(m.training), bool(m.inplace)
+        return None
+    if n.op != "call_function" or n.target not in _DROPOUT_FUNCTIONS:
+        return None
+    names = ("input", "p", "training", "inplace") if n.target is not torch.dropout else \
+        ("input", "p", "train")
+    bound = dict(zip(names, n.args))
+    bound.update(n.kwargs)
+    if set(bound) - set(names) or "input" not in bound:
+        return None
+    p = bound.get("p", 0.5)
+    training = bound.get("training", bound.get("train", True))
+    inplace = bound.get("inplace", False)
+    if not isinstance(p, (int, float)) or not all(isinstance(b, bool) for b in (training, inplace)):
+        return None
+    return float(p), training, inplace
+
+
+def draw_seeds(count: int) -> list[int]:
+    """``count`` seeds for :func:`edge_dropout` from torch's default generator."""
+    return torch.randint(0, 1 << 62, (count,), dtype=torch.int64).tolist()
+
+
+class EdgeRandom:
+    """The random state of edge dropout in one call: ``seeds`` (id of a dropout node -> seed),
+    ``edge_ids`` [R] the global edge id of each row of the edge values (None: rows 0..E-1)."""
+
+    __slots__ = ("seeds", "edge_ids")
+
+    def __init__(self, seeds: dict, edge_ids: torch.Tensor | None = None):
+        self.seeds, self.edge_ids = seeds, edge_ids
+
+    @classmethod
+    def draw(cls, ir: IR, layer) -> "EdgeRandom":
+        """One seed per edge dropout that drops (training, p > 0), in IR order, from torch's
+        default generator; nothing is drawn when there is none."""
+        nodes = [n for n in ir.nodes if n.domain == "edge" and n.op.startswith("call_")
+                 and (spec := dropout_spec(n, layer)) is not None and spec[1] and spec[0] > 0]
+        if not nodes:
+            return cls({})
+        return cls({id(n): s for n, s in zip(nodes, draw_seeds(len(nodes)))})
+
+    def at(self, edge_ids: torch.Tensor | None) -> "EdgeRandom":
+        return EdgeRandom(self.seeds, edge_ids)
+
+
+def eval_node(n: Node, args: tuple, kwargs: dict, layer, ops: GraphOps, vdata: dict, edata: dict,
+              rng: EdgeRandom | None = None):
+    """Evaluate one node whose arguments are already values (``rng``: the state of edge
+    dropout, see :func:`edge_dropout`)."""
     op = n.op
+    if rng is not None and id(n) in rng.seeds:
+        p, _, inplace = dropout_spec(n, layer)
+        x = args[0] if args else kwargs["input"]
+        return edge_dropout(x, p, rng.seeds[id(n)], rng.edge_ids, inplace)
     if op == "input":
         kind, field = n.target
         return vdata[field] if kind == "vertex" else edata[field]
@@ -138,7 +249,9 @@ def run_ir(ir: IR, layer: torch.nn.Module, ops: GraphOps, vdata: dict, edata: di
     """Interpret ``ir``; values are dropped as soon as their last reader ran (memory frugal).
 
     ``record``, when given, receives ``id(node) -> value`` for every node (shape propagation).
+    Edge dropout draws its seeds first (:class:`EdgeRandom`), as the streaming engine does.
     """
+    rng = EdgeRandom.draw(ir, layer)
     env: dict[int, Any] = {}
     drops = _last_uses(ir)
     load = lambda n: env[id(n)]  # noqa: E731
@@ -149,9 +262,9 @@ def run_ir(ir: IR, layer: torch.nn.Module, ops: GraphOps, vdata: dict, edata: di
         args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
         if prof is not None and n.stage is not None:
             val = profile.timed(prof, layer, n, lambda: eval_node(n, args, kwargs, layer, ops,
-                                                                  vdata, edata))
+                                                                  vdata, edata, rng))
         else:
-            val = eval_node(n, args, kwargs, layer, ops, vdata, edata)
+            val = eval_node(n, args, kwargs, layer, ops, vdata, edata, rng)
         env[id(n)] = val
         if record is not None:
             record[id(n)] = val
@@ -206,10 +319,30 @@ def propagate_shapes(ir: IR, layer, vsig: dict, esig: dict) -> None:
         vdata = {k: t.to(device) for k, t in vdata.items()}
         edata = {k: t.to(device) for k, t in edata.items()}
         ops = GraphOps(ops.csr.to(device), backend="torch")
-    with _inference_of(layer):
-        run_ir(ir, layer, ops, vdata, edata, record=record)
+    try:
+        with _inference_of(layer):
+            run_ir(ir, layer, ops, vdata, edata, record=record)
+    finally:  # also after a failure: the nodes that ran say what went wrong (Program)
+        _assign_domains(ir, record)
+
+
+def _assign_domains(ir: IR, record: dict) -> None:
+    """Shapes, dtypes and the domains the trace could not know: a call on edge (vertex) values is
+    ``edge`` (``vertex``) only if its value has E (N) rows; otherwise, a reduction over dim 0
+    such as ``h.mean(0, keepdim=True)`` [1, F], it is ``global`` (see ``ngra.ir``)."""
+    side: dict[int, str | None] = {}  # whether a node derives from edge or vertex values
+    rows = {"edge": _SAMPLE_E, "vertex": _SAMPLE_N}
     for n in ir.nodes:
         val = record.get(id(n))
+        if n.op.startswith("call_"):
+            sides = {side.get(id(a)) for a in n.inputs()}
+            s = "edge" if "edge" in sides else "vertex" if "vertex" in sides else None
+            if s is not None:
+                per_row = isinstance(val, torch.Tensor) and val.dim() > 0 and val.shape[0] == rows[s]
+                n.domain = s if per_row or not isinstance(val, torch.Tensor) else "global"
+        else:
+            s = n.domain if n.domain in rows else None
+        side[id(n)] = s
         if isinstance(val, torch.Tensor) and n.domain in ("vertex", "edge") and val.dim() > 0:
             lead = "N" if n.domain == "vertex" else "E"
             n.shape = (lead, *val.shape[1:])

@@ -7,7 +7,13 @@ nodes, constants, or tuples/lists/slices of them) and a ``domain``:
 - ``vertex``: a tensor with one row per vertex, shape [N, ...];
 - ``edge``: a tensor with one row per edge, shape [E, ...], in the graph's edge order;
 - ``param``: a value that does not depend on the graph (module parameters, constants, and
-  arithmetic on them).
+  arithmetic on them);
+- ``global``: a tensor computed from vertex or edge values that has no row per vertex or edge,
+  such as a reduction over dim 0 (``h.mean(0, keepdim=True)`` is [1, F], ``h.norm(dim=0)`` is
+  [F]). Shape propagation assigns it (the trace cannot know shapes): a call on vertex or edge
+  values whose result does not have N (or E) rows is ``global``. A global value computed from
+  edge values depends on *all* edges, so it is never a per-edge operand of a fused kernel, and
+  the streaming engine refuses it (see :func:`ngra.passes.row_mixing`).
 
 Node ops:
 
@@ -28,7 +34,9 @@ Node ops:
 ``output``         args ``(value,)``: the layer's result
 =================  ==================================================================================
 
-Each compute node also records the SAGA ``stage`` its work belongs to (for profiling).
+Each compute node also records the SAGA ``stage`` its work belongs to (for profiling), and
+``source``, where the user's code made it (``"layer.py:12 in apply_edge: return self.bn(m)"``)
+when the tracer could tell.
 After shape propagation each tensor-valued node carries ``node.shape`` (leading dim written
 symbolically as ``"N"`` or ``"E"``) and ``node.dtype``; they show in the printed IR.
 """
@@ -43,7 +51,7 @@ import torch
 
 __all__ = ["Node", "IR", "IRError", "map_nodes", "node_inputs"]
 
-DOMAINS = ("vertex", "edge", "param")
+DOMAINS = ("vertex", "edge", "param", "global")
 OPS = (
     "input", "get_attr", "const", "call_module", "call_function", "call_method",
     "scatter", "gather", "edge_softmax", "gsddmm", "gspmm", "output",
@@ -58,7 +66,7 @@ class Node:
     """One value of the dataflow graph (see the module docstring for ``op``/``target``)."""
 
     __slots__ = ("name", "op", "target", "args", "kwargs", "domain", "shape", "dtype", "value",
-                 "stage")
+                 "stage", "source")
 
     def __init__(self, name: str, op: str, target: Any, args: tuple = (), kwargs: dict | None = None,
                  domain: str = "param", *, value: Any = None, stage: str | None = None):
@@ -75,6 +83,7 @@ class Node:
         # per-stage profiling; None for inputs and parameters. Passes keep it: a lifted ApplyEdge
         # computation stays ApplyEdge work; a fused g-SpMM counts as Gather.
         self.stage = stage
+        self.source: str | None = None  # "file:line in function: code" of the user's code
 
     def inputs(self) -> list["Node"]:
         """The nodes this node reads, in argument order, without repeats."""
@@ -168,7 +177,7 @@ class IR:
             c = Node(n.name, n.op, n.target, (), None, n.domain, value=n.value, stage=n.stage)
             c.args = map_nodes(n.args, lambda x: mapping[id(x)])
             c.kwargs = map_nodes(n.kwargs, lambda x: mapping[id(x)])
-            c.shape, c.dtype = n.shape, n.dtype
+            c.shape, c.dtype, c.source = n.shape, n.dtype, n.source
             mapping[id(n)] = c
             nodes.append(c)
         return IR(nodes)
@@ -239,7 +248,13 @@ def _check_domain(n: Node) -> list[str]:
             return [f"%{n.name}: mixes vertex values and edge values "
                     f"({', '.join('%' + a.name + ':' + a.domain for a in ins)}); ApplyEdge may only "
                     "read e.src / e.dst / e.data, ApplyVertex only v.data and the gathered value"]
-        want = "edge" if "edge" in doms else "vertex" if "vertex" in doms else "param"
+        want = "edge" if "edge" in doms else "vertex" if "vertex" in doms else \
+            "global" if "global" in doms else "param"
+        # A reduction over dim 0 turns vertex or edge values into a global one; a global value
+        # may be reshaped back into rows (``g.view(-1, F)`` of a flattened edge value).
+        if n.domain == "global" and want != "param" or \
+                "global" in doms and n.domain in ("vertex", "edge"):
+            return []
     if want is not None and n.domain != want:
         return [f"%{n.name}: domain {n.domain!r} should be {want!r}"]
     return []

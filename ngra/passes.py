@@ -9,9 +9,11 @@
   one g-SDDMM (``u_add_v``, ``u_mul_e``, ``u_dot_v``, ...), and Scatter -> element-wise -> Gather
   becomes one g-SpMM, so no [E, F] tensor is materialized for the message.
 
-Row-wise means: row k of the output depends only on row k of the edge-domain inputs. Lifting is
-only applied to operations known to be row-wise; anything else (dropout, batch norm, reductions
-over dim 0, user functions) stays on the edge side, which is always correct, only slower.
+Row-wise means: row k of the output depends only on row k of the edge-domain inputs
+(:func:`row_mixing` says why an op is not). Lifting is only applied to pure operations known to be
+row-wise; anything else (dropout, batch norm, reductions over dim 0, user functions) stays on the
+edge side, which is always correct in memory, only slower. The streaming engine refuses edge
+operations that are not row-wise, since it runs them on one column of edges at a time.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 
 from .ir import IR, Node, function_name, map_nodes
 
-__all__ = ["dce", "cse", "lift", "fuse", "optimize", "PASSES"]
+__all__ = ["dce", "cse", "lift", "fuse", "optimize", "PASSES", "row_mixing"]
 
 # --- purity -------------------------------------------------------------------------------------
 _RANDOM = {"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d",
@@ -132,16 +134,58 @@ def cse(ir: IR) -> IR:
     return ir.lint()
 
 
-# --- lift ----------------------------------------------------------------------------------------
+# --- row-wise ops -------------------------------------------------------------------------------
+# An allow-list: an op is row-wise only if it is listed here *and* its arguments keep dim 0 out of
+# it (reductions, softmax, cat ... over a non-zero dim; views that keep dim 0 first). Anything else
+# (user functions, unknown modules, reductions / scans / permutations over dim 0, batch norm in
+# training, random draws other than dropout) counts as mixing rows.
 _UNARY = {"relu", "sigmoid", "tanh", "exp", "log", "abs", "neg", "sqrt", "rsqrt", "square", "sin",
           "cos", "erf", "leaky_relu", "elu", "gelu", "silu", "selu", "celu", "softplus", "mish",
           "hardtanh", "relu6", "clamp", "clip", "float", "double", "half", "bfloat16", "to",
           "contiguous", "reciprocal", "sign", "log1p", "expm1", "logsigmoid", "softsign",
-          "tanhshrink", "hardsigmoid", "hardswish"}
-_BINARY = {"add", "sub", "mul", "div", "truediv", "pow", "maximum", "minimum", "floordiv"}
-_DIM_OPS = {"sum", "mean", "amax", "amin", "prod", "norm", "logsumexp", "softmax", "log_softmax",
-            "normalize", "cumsum", "unsqueeze", "squeeze", "flatten", "transpose", "swapaxes",
-            "permute", "chunk", "split", "unbind", "view", "reshape"}
+          "tanhshrink", "hardsigmoid", "hardswish", "tan", "asin", "acos", "atan", "sinh", "cosh",
+          "asinh", "acosh", "atanh", "exp2", "log2", "log10", "floor", "ceil", "round", "trunc",
+          "frac", "erfc", "erfinv", "logit", "sgn", "positive", "isnan", "isinf", "isfinite",
+          "logical_not", "bitwise_not", "invert", "nan_to_num", "clone", "detach", "long", "int",
+          "bool", "type", "clamp_min", "clamp_max", "threshold", "hardshrink", "softshrink",
+          "relu_", "sigmoid_", "tanh_"}
+_BINARY = {"add", "sub", "mul", "div", "truediv", "pow", "maximum", "minimum", "floordiv",
+           "remainder", "fmod", "mod", "atan2", "hypot", "eq", "ne", "lt", "le", "gt", "ge",
+           "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or",
+           "bitwise_xor", "and_", "or_", "xor", "where", "masked_fill", "lerp", "addcmul",
+           "addcdiv", "rsub", "true_divide", "floor_divide", "multiply", "subtract", "divide",
+           "fmax", "fmin", "copysign", "xlogy"}
+# name -> (position of the dim argument after the tensor, keyword, default: None = all dims)
+_DIM_ARG = {
+    "sum": (0, "dim", None), "mean": (0, "dim", None), "nansum": (0, "dim", None),
+    "nanmean": (0, "dim", None), "amax": (0, "dim", None), "amin": (0, "dim", None),
+    "prod": (0, "dim", None), "logsumexp": (0, "dim", None), "var": (0, "dim", None),
+    "std": (0, "dim", None), "all": (0, "dim", None), "any": (0, "dim", None),
+    "argmax": (0, "dim", None), "argmin": (0, "dim", None), "max": (0, "dim", None),
+    "min": (0, "dim", None), "median": (0, "dim", None), "count_nonzero": (0, "dim", None),
+    "norm": (1, "dim", None), "softmax": (0, "dim", None), "log_softmax": (0, "dim", None),
+    "softmin": (0, "dim", None), "normalize": (1, "dim", 1), "cumsum": (0, "dim", None),
+    "cumprod": (0, "dim", None), "cummax": (0, "dim", None), "cummin": (0, "dim", None),
+    "logcumsumexp": (0, "dim", None), "sort": (0, "dim", -1), "argsort": (0, "dim", -1),
+    "topk": (1, "dim", -1), "kthvalue": (1, "dim", -1), "glu": (0, "dim", -1),
+    "squeeze": (0, "dim", None), "flatten": (0, "start_dim", 0), "unflatten": (0, "dim", None),
+    "chunk": (1, "dim", 0), "split": (1, "dim", 0), "unbind": (0, "dim", 0),
+    "narrow": (0, "dim", None), "select": (0, "dim", None), "index_select": (0, "dim", None),
+    "diff": (1, "dim", -1), "flip": (0, "dims", None), "roll": (1, "dims", None),
+}
+_META = {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad", "is_sparse"}
+_ROWWISE_MODULES = (
+    torch.nn.Linear, torch.nn.Bilinear, torch.nn.Identity, torch.nn.ReLU, torch.nn.LeakyReLU,
+    torch.nn.ELU, torch.nn.SELU, torch.nn.CELU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Sigmoid,
+    torch.nn.Tanh, torch.nn.Softplus, torch.nn.Softsign, torch.nn.Hardtanh, torch.nn.ReLU6,
+    torch.nn.Mish, torch.nn.PReLU, torch.nn.Hardsigmoid, torch.nn.Hardswish, torch.nn.LogSigmoid,
+    torch.nn.Tanhshrink, torch.nn.Softshrink, torch.nn.Hardshrink, torch.nn.Threshold,
+    torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.Embedding, torch.nn.RNNCell,
+    torch.nn.GRUCell, torch.nn.LSTMCell, torch.nn.Dropout,
+    *([torch.nn.RMSNorm] if hasattr(torch.nn, "RMSNorm") else []),
+)
+_DIM_MODULES = {torch.nn.Softmax: "dim", torch.nn.LogSoftmax: "dim", torch.nn.Softmin: "dim",
+                torch.nn.GLU: "dim", torch.nn.Flatten: "start_dim", torch.nn.Unflatten: "dim"}
 
 
 def _arg(n: Node, pos: int, kw: str, default=None):
@@ -154,86 +198,214 @@ def _arg(n: Node, pos: int, kw: str, default=None):
 
 def _nonzero_dims(dims, ndim) -> bool:
     dims = dims if isinstance(dims, (tuple, list)) else (dims,)
-    if not dims or ndim is None:
+    if not dims or ndim is None or ndim == 0:
         return False
-    return all(isinstance(d, int) and d % ndim != 0 for d in dims)
+    return all(isinstance(d, int) and not isinstance(d, bool) and d % ndim != 0 for d in dims)
 
 
+def _rows(a) -> bool:
+    """A tensor value with one row per edge (or per vertex)."""
+    return isinstance(a, Node) and a.domain in ("edge", "vertex") and _is_tensor_node(a)
+
+
+def _is_size(a) -> bool:
+    """``x.shape`` / ``x.size()`` of a value with rows: its element 0 is the number of rows."""
+    return isinstance(a, Node) and any(isinstance(x, Node) and x.domain in ("edge", "vertex")
+                                       for x in a.inputs()) and (
+        (a.op == "call_function" and a.target is getattr and a.args[1:] == ("shape",))
+        or (a.op == "call_method" and a.target == "size" and len(a.args) == 1 and not a.kwargs))
+
+
+def _broadcast_problem(n: Node, operands) -> str | None:
+    """Operands of an element-wise op: the per-row ones must all have the same rank, and every
+    other tensor must broadcast without reaching dim 0 (rank below theirs, or dim 0 of size 1)."""
+    tensors = [a for a in operands if isinstance(a, Node) and _is_tensor_node(a)]
+    ranked = [a for a in tensors if _rows(a)]
+    if not ranked:
+        return None
+    ndim = len(ranked[0].shape)
+    if any(len(a.shape) != ndim for a in ranked):
+        return ("its per-edge operands have different ranks ("
+                + ", ".join(f"%{a.name}{list(a.shape)}" for a in ranked)
+                + "), so broadcasting aligns dim 0 of one with a feature dim of another")
+    for a in tensors:
+        if a in ranked:
+            continue
+        if len(a.shape) > ndim or (len(a.shape) == ndim and a.shape[0] != 1):
+            return (f"%{a.name} {list(a.shape)} ({a.domain}) is broadcast along the edge rows; "
+                    "per-edge data must come from e.data (edata), one row per edge")
+    return None
+
+
+def _index_problem(n: Node, x: Node, idx) -> str | None:
+    xdim = _ndim(x)
+    if _is_size(x):
+        rank = _ndim(x.args[0]) or 1
+        if isinstance(idx, int) and idx % rank == 0 or \
+                isinstance(idx, slice) and (idx.start is None or idx.start % rank == 0):
+            return "reads the number of edges (x.shape[0]), which streamed is a column's; use -1"
+        return None
+    if not _is_tensor_node(x):  # a tuple of values (from chunk, split, max(dim), ...)
+        return None if isinstance(idx, int) else "indexes a tuple with a computed index"
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if map_nodes(idx, lambda m: None) != idx:
+        return "indexes rows with a tensor"
+    if not idx or idx[0] == slice(None):
+        return None
+    if idx[0] is Ellipsis and Ellipsis not in idx[1:]:
+        used = sum(1 for i in idx[1:] if i is not None)
+        if used < (xdim or 0):
+            return None
+    return "selects or reorders rows (an index over dim 0)"
+
+
+def row_mixing(n: Node) -> str | None:
+    """Why row k of call node ``n``'s value may depend on other rows of its per-edge (per-vertex)
+    operands; None when it is row-wise: an op of the allow-list above whose arguments keep dim 0
+    out of it. (An edge value's rows are edges: a row-mixing op is only correct where all edges
+    are present at once, as in memory, not on one column of a streamed graph.)"""
+    if n.op == "call_module":
+        m = n.value
+        if n.kwargs or any(isinstance(a, Node) and _is_tensor_node(a) and not _rows(a)
+                           and a.domain != "param" for a in n.args):
+            return f"{type(m).__name__} reads a value that has no row per edge"
+        ins = [a for a in n.args if _rows(a)]
+        ndim = _ndim(ins[0]) if ins else None
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            if m.training or not m.track_running_stats:
+                return (f"{type(m).__name__} in training mode normalizes with the mean and "
+                        "variance over all edges")
+            return None
+        dim_kw = next((kw for cls, kw in _DIM_MODULES.items() if isinstance(m, cls)), None)
+        if dim_kw is not None:
+            if _nonzero_dims(getattr(m, dim_kw), ndim):
+                return None
+            return f"{type(m).__name__}({dim_kw}={getattr(m, dim_kw)!r}) acts over dim 0"
+        if not isinstance(m, _ROWWISE_MODULES):
+            return f"{type(m).__name__} is not known to act row by row"
+        if ndim is not None and ndim < 2 and not isinstance(m, (torch.nn.Embedding,
+                                                               torch.nn.Identity)):
+            return f"{type(m).__name__} on a 1-d value treats it as one sample"
+        return None
+    if n.op not in ("call_function", "call_method"):
+        return None
+    name = _short(n)
+    if name in _RANDOM:
+        from .executor import dropout_spec  # edge dropout: one mask per edge id (executor)
+        if n.op == "call_function" and dropout_spec(n, None) is not None:
+            return None
+        return f"{name} draws random numbers in the order of the edges"
+    if name.endswith("_") and not name.startswith("_") and name[:-1] in _UNARY | _BINARY:
+        name = name[:-1]  # in place: row-wise as its out-of-place form
+    x = n.args[0] if n.args else None
+    xdim = _ndim(x)
+    if name == "getattr":
+        return None if n.args[1:] and n.args[1] in _META else \
+            f"getattr {n.args[1:]!r} of a per-edge value is not known to keep its rows"
+    if name == "getitem":
+        return _index_problem(n, x, n.args[1])
+    if name == "size":
+        d = _arg(n, 0, "dim")
+        if d is None or _nonzero_dims(d, xdim):
+            return None
+        return "reads the number of edges (x.size(0)), which streamed is a column's; use -1"
+    if name in ("dim", "ndimension"):
+        return None
+    if name in _UNARY or name in _BINARY:
+        return _broadcast_problem(n, n.inputs())
+    if name in ("type_as", "view_as", "reshape_as", "expand_as"):
+        if name != "type_as" and not _rows(n.args[1]):
+            return f"{name} of a value with no row per edge"
+        return None
+    if name in ("matmul", "mm", "bmm", "linear"):
+        w = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
+        if not (_rows(x) and (xdim or 0) >= 2):
+            return f"{name} does not keep the rows of a per-edge value as its first operand"
+        others = [a for a in n.inputs() if a is not x]
+        if name == "linear" and all(a.domain == "param" for a in others):
+            return None
+        if name in ("matmul", "mm") and isinstance(w, Node) and w.domain == "param" and \
+                w.shape is not None and len(w.shape) <= 2:
+            return None
+        if name in ("matmul", "bmm") and _rows(w) and _ndim(w) == xdim and xdim >= 3:
+            return None  # batched over the rows
+        return f"{name} with these operands combines rows"
+    if name in ("embedding",):
+        return None if _rows(x) and all(a.domain == "param" for a in n.inputs() if a is not x) \
+            else "embedding of a value with no row per edge"
+    if name in ("cat", "concat", "stack"):
+        parts = n.args[0] if n.args else n.kwargs.get("tensors")
+        if not isinstance(parts, (list, tuple)) or not parts or \
+                not all(_rows(a) for a in parts):
+            return f"{name} of values that do not all have one row per edge"
+        if len({_ndim(a) for a in parts}) != 1:
+            return f"{name} of values of different ranks"
+        d = _arg(n, 0, "dim", 0)
+        if _nonzero_dims(d, _ndim(parts[0]) + (name == "stack")):
+            return None
+        return f"{name} along dim 0 (dim={d!r}) appends rows"
+    if not _rows(x):
+        return f"{name} is not known to act row by row"
+    if name in ("view", "reshape"):
+        shape = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) else \
+            n.args[1:]
+        shape = n.kwargs.get("shape", shape)
+        if shape and shape[0] == -1 and all(isinstance(d, int) for d in shape) and \
+                -1 not in shape[1:] and all(isinstance(d, int) for d in x.shape[1:]) and \
+                torch.Size(shape[1:]).numel() == torch.Size(x.shape[1:]).numel():
+            return None
+        return (f"{name}{tuple(shape)!r} does not keep one row per edge; write "
+                f"{name}(-1, <feature sizes>)")
+    if name == "unsqueeze":
+        return None if _nonzero_dims(_arg(n, 0, "dim"), (xdim or 0) + 1) else \
+            "unsqueeze(0) puts all edges in one row"
+    if name in ("transpose", "swapaxes", "swapdims"):
+        return None if _nonzero_dims((_arg(n, 0, "dim0"), _arg(n, 1, "dim1")), xdim) else \
+            f"{name} moves dim 0"
+    if name in ("movedim", "moveaxis"):
+        return None if _nonzero_dims((_arg(n, 0, "source"), _arg(n, 1, "destination")), xdim) \
+            else f"{name} moves dim 0"
+    if name == "permute":
+        dims = _arg(n, 0, "dims")
+        dims = dims if isinstance(dims, (tuple, list)) else n.args[1:]
+        return None if dims and isinstance(dims[0], int) and dims[0] % (xdim or 1) == 0 else \
+            "permute moves dim 0"
+    if name in ("expand", "repeat", "tile"):
+        sizes = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) else \
+            n.args[1:]
+        first = -1 if name == "expand" else 1
+        ok = len(sizes) == xdim and sizes and sizes[0] == first
+        return None if ok else f"{name}{tuple(sizes)!r} changes dim 0"
+    if name in _DIM_ARG:
+        pos, kw, default = _DIM_ARG[name]
+        if name in ("max", "min") and len(n.args) > 1 and isinstance(n.args[1], Node):
+            return _broadcast_problem(n, n.inputs())  # the element-wise maximum of two values
+        dim = _arg(n, pos, kw, default)
+        if name in ("narrow", "select", "index_select", "unflatten"):
+            dim = _arg(n, 0, "dim")
+        if _nonzero_dims(dim, xdim):
+            if name == "index_select" and any(a.domain != "param" for a in n.inputs()[1:]):
+                return "index_select with a per-edge index"
+            return None
+        what = "all dims" if dim is None else f"dim {dim!r}"
+        return (f"{name} over {what} combines the rows of all edges" if name not in
+                ("flip", "roll", "sort", "argsort", "chunk", "split", "unbind", "narrow",
+                 "select", "index_select", "squeeze", "flatten", "unflatten")
+                else f"{name} over {what} reorders, selects or merges rows")
+    return f"{name} is not known to act row by row"
+
+
+# --- lift ----------------------------------------------------------------------------------------
 def _rowwise(n: Node, edge_ins: list[Node]) -> bool:
-    """Whether row k of ``n``'s output depends only on row k of its edge-domain inputs."""
+    """Whether ``n`` can be lifted: pure, a tensor, reading only edge values (no vertex or global
+    values) and parameters, and row-wise (:func:`row_mixing`)."""
     if not _is_tensor_node(n) or any(not _is_tensor_node(a) for a in edge_ins):
         return False
-    if any(isinstance(a, Node) and a.domain == "vertex" for a in n.inputs()):
+    if any(a.domain in ("vertex", "global") for a in n.inputs()):
         return False
-    if n.op == "call_module":
-        if not isinstance(n.value, _PURE_MODULES) or n.kwargs or len(n.args) != 1:
-            return False
-        if isinstance(n.value, (torch.nn.Softmax, torch.nn.LogSoftmax)):
-            return _nonzero_dims(n.value.dim, _ndim(n.args[0]))
-        if isinstance(n.value, torch.nn.Flatten):
-            return _nonzero_dims(n.value.start_dim, _ndim(n.args[0]))
-        return True
-    if n.op not in ("call_function", "call_method"):
+    if n.op == "call_module" and not isinstance(n.value, _PURE_MODULES):
         return False
-    if not is_pure(n):
-        return False
-    name = _short(n)
-    x = n.args[0] if n.args else None
-    xdim = _ndim(x) if isinstance(x, Node) else None
-    # Every non-edge tensor operand must broadcast without touching dim 0 of the edge operands.
-    edim = _ndim(edge_ins[0])
-    if any(_ndim(a) != edim for a in edge_ins):
-        return False
-    for a in n.inputs():
-        if a.domain == "param" and _is_tensor_node(a):
-            pd = len(a.shape)
-            if name in ("matmul", "linear", "mm"):
-                continue
-            if pd > edim or (pd == edim and a.shape[0] != 1):
-                return False
-    if name in _UNARY or name in _BINARY:
-        return True
-    if name in ("matmul", "mm"):
-        w = n.args[1] if len(n.args) > 1 else None
-        return (x in edge_ins and isinstance(w, Node) and w.domain == "param"
-                and w.shape is not None and len(w.shape) <= 2 and (xdim or 0) >= 2)
-    if name == "linear":
-        return x in edge_ins and all(not isinstance(a, Node) or a.domain == "param" for a in n.args[1:])
-    if name == "getitem":
-        idx = n.args[1]
-        if not isinstance(idx, tuple) or not idx or map_nodes(idx, lambda m: None) != idx:
-            return False
-        if idx[0] == slice(None):
-            return True
-        return idx[0] is Ellipsis and None not in idx and len(idx) - 1 < (xdim or 0)
-    if name in _DIM_OPS and x in edge_ins:
-        out_dim = _ndim(n)
-        if name in ("view", "reshape"):
-            shape = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) else n.args[1:]
-            if not shape or shape[0] != -1 or any(not isinstance(s, int) for s in shape):
-                return False
-            trailing_in = torch.Size(x.shape[1:]).numel()
-            return all(isinstance(s, int) for s in x.shape[1:]) and \
-                torch.Size(shape[1:]).numel() == trailing_in and -1 not in shape[1:]
-        if name == "permute":
-            dims = n.args[1:] if not isinstance(_arg(n, 0, "dims"), (tuple, list)) else _arg(n, 0, "dims")
-            return bool(dims) and isinstance(dims[0], int) and dims[0] % xdim == 0
-        if name in ("transpose", "swapaxes"):
-            return _nonzero_dims((_arg(n, 0, "dim0"), _arg(n, 1, "dim1")), xdim)
-        if name == "unsqueeze":
-            return _nonzero_dims(_arg(n, 0, "dim"), (xdim or 0) + 1)
-        if name == "flatten":
-            return _nonzero_dims(_arg(n, 0, "start_dim", 0), xdim)
-        if name in ("chunk", "split"):
-            return False  # tuple-valued; not lifted (kept simple)
-        if name in ("softmax", "log_softmax", "normalize", "cumsum", "sum", "mean", "amax",
-                    "amin", "prod", "logsumexp", "norm", "squeeze"):
-            default_pos = 0 if name != "normalize" else 1
-            dim = _arg(n, default_pos, "dim")
-            if name == "normalize" and dim is None:
-                dim = 1
-            return dim is not None and _nonzero_dims(dim, xdim) and out_dim is not None
-    return False
+    return is_pure(n) and row_mixing(n) is None
 
 
 def lift(ir: IR) -> IR:

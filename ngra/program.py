@@ -88,7 +88,7 @@ class VertexProgram(torch.nn.Module):
                     f"{type(self).__name__}: streaming a worker's piece of a distributed graph "
                     "(ngra.Engine around a DistGraph) is not supported yet; call the layer "
                     "outside the Engine block")
-            return engine.run(program, g, vdata, edata)
+            return check_output(self, engine.run(program, g, vdata, edata), g)
         return program.run(g, vdata, edata, checked=True)
 
     def program_for(self, vdata: dict, edata: dict) -> "Program":
@@ -142,6 +142,36 @@ def check_inputs(layer, g, vdata, edata):
     return dict(vdata), dict(edata)
 
 
+def check_output(layer, out, g: Graph):
+    """Validate what ``apply_vertex`` returned: a tensor with one row per vertex of ``g``."""
+    where = type(layer).__name__
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{where}.apply_vertex must return a tensor with one row per vertex (got "
+                        f"{type(out).__name__})")
+    if out.dim() == 0 or out.shape[0] != g.num_nodes:
+        raise ValueError(
+            f"{where}.apply_vertex must return one row per vertex: expected shape "
+            f"[{g.num_nodes}, ...] for a graph with {g.num_nodes} vertices (got "
+            f"{tuple(out.shape)}). Compute the result row by row from acc and v.data; a statistic "
+            "over all vertices such as x.mean(0) has one row: broadcast it back, e.g. "
+            "x - x.mean(0, keepdim=True)")
+    return out
+
+
+def _check_message(layer, ir: IR) -> None:
+    """The traced ``apply_edge`` must return one row per edge (shape propagation knows)."""
+    for n in ir.nodes:
+        if n.op == "gather" and n.args[0].domain != "edge":
+            m = n.args[0]
+            shape = "[" + ", ".join(map(str, m.shape)) + "]" if m.shape is not None else "no tensor"
+            where = f" at {m.source}" if m.source else ""
+            raise ValueError(
+                f"{type(layer).__name__}.apply_edge must return one row per edge: expected shape "
+                f"[E, ...] (got {shape}, %{m.name} = {m.format().split(' = ', 1)[1]}{where}). A "
+                "reduction over dim 0 (m.sum(0), m.mean(0)) has one row for all edges: reduce over "
+                "a feature dim, or broadcast it back (m - m.mean(0, keepdim=True))")
+
+
 class Program:
     """A vertex program compiled for one input signature.
 
@@ -172,8 +202,10 @@ class Program:
         try:
             propagate_shapes(raw, layer, self.vsig, self.esig)
         except Exception as e:
+            _check_message(layer, raw)  # clearer: apply_edge returned no row per edge
             raise type(e)(f"{type(layer).__name__} failed on a sample batch with inputs "
                           f"{_describe_sig(self.vsig, self.esig)}: {e}\ntraced IR:\n{raw}") from e
+        _check_message(layer, raw)
         self.raw_ir = raw
         self.ir = optimize(raw) if optimize_ir else raw
 
@@ -188,10 +220,12 @@ class Program:
         if self.eager:
             prof = profile.current()
             if prof is not None:
-                return profile.timed(prof, self.layer, _EAGER_NODE,
-                                     lambda: run_eager(self.layer, ops, vdata, edata, self.reduce))
-            return run_eager(self.layer, ops, vdata, edata, self.reduce)
-        return run_ir(self.ir if fused else self.raw_ir, self.layer, ops, vdata, edata)
+                return check_output(self.layer, profile.timed(
+                    prof, self.layer, _EAGER_NODE,
+                    lambda: run_eager(self.layer, ops, vdata, edata, self.reduce)), g)
+            return check_output(self.layer, run_eager(self.layer, ops, vdata, edata, self.reduce), g)
+        return check_output(self.layer, run_ir(self.ir if fused else self.raw_ir, self.layer, ops,
+                                               vdata, edata), g)
 
     __call__ = run
 

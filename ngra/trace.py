@@ -10,6 +10,8 @@ silently wrong graph.
 from __future__ import annotations
 
 import operator
+import os
+import re
 from typing import Any
 
 import torch
@@ -104,6 +106,7 @@ def trace(layer, vnames, enames, reduce) -> tuple[IR, _SagaRoot]:
     """
     root = _SagaRoot(layer, tuple(vnames), tuple(enames), reduce)
     tracer = torch.fx.Tracer()
+    tracer.record_stack_traces = True  # node.source: where an error should point the user
     root._tracer = tracer
     try:
         fx_graph = tracer.trace(root)
@@ -153,9 +156,12 @@ def _to_ir(fx_graph: torch.fx.Graph, root: _SagaRoot) -> IR:
             {"scatter": "Scatter", "gather": "Gather"}.get(op, stage)
         node = Node(ir.fresh_name(name), op, target, args, kwargs, domain, value=value,
                     stage=node_stage)
+        node.source = _source(getattr(current, "stack_trace", None))
         return ir.append(node)
 
+    current = None
     for index, n in enumerate(fx_graph.nodes):
+        current = n
         while boundaries and boundaries[0][0] <= index:
             stage = boundaries.pop(0)[1]
         if n.op == "placeholder":
@@ -203,6 +209,29 @@ def _to_ir(fx_graph: torch.fx.Graph, root: _SagaRoot) -> IR:
         else:  # pragma: no cover - fx has no other node kinds
             raise TraceFailure(f"unsupported fx node {n.op}")
     return ir
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)\n'
+                    r'(?P<code>[ \t]+[^\n]*)?')
+# Frames inside torch and ngra's own machinery (not ngra.nn, whose layers are user code here).
+_SKIP_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+
+
+def _source(stack_trace: str | None) -> str | None:
+    """The innermost frame of the user's code in an fx stack trace, as
+    ``"file.py:12 in apply_edge: return self.bn(m)"`` (None if there is none)."""
+    if not stack_trace:
+        return None
+    found = None
+    for m in _FRAME.finditer(stack_trace):
+        path = m.group("file")
+        inside = [d for d in _SKIP_DIRS if path.startswith(d)]
+        if inside and not (inside[0] == _SKIP_DIRS[1] and os.sep in path[len(inside[0]):]):
+            continue
+        code = (m.group("code") or "").strip()
+        found = f"{os.path.basename(path)}:{m.group('line')} in {m.group('func').strip()}" + \
+            (f": {code}" if code else "")
+    return found
 
 
 def map_nodes_list(value) -> list[Node]:

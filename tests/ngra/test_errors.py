@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -126,4 +128,48 @@ def test_builtin_with_same_side_twice_is_refused(g):
         apply_edge = ngra.fn.MessageFunction("u_add_u", "add", "u", "u", "h", "h")
 
     with pytest.raises(ValueError, match="uses the same side twice"):
+        Bad()(g, torch.zeros(10, 3))
+
+
+class RowsOut(Copy):
+    """apply_vertex returns the wrong number of rows (issue 20: accepted before)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def apply_vertex(self, v, acc):
+        if self.how == "sliced":
+            return acc[:5]
+        if self.how == "reduced":
+            return acc.sum(0, keepdim=True)
+        if int(acc.sum() * 0) == 0:  # value-dependent control flow: runs eagerly
+            return acc[1:]
+        return acc
+
+
+@pytest.mark.parametrize("how, rows", [("sliced", 5), ("reduced", 1), ("eager", 9)])
+@pytest.mark.parametrize("streamed", [False, True])
+def test_apply_vertex_must_return_one_row_per_vertex(g, how, rows, streamed):
+    layer = RowsOut(how)
+    match = (r"RowsOut.apply_vertex must return one row per vertex: expected shape \[10, ...\] for "
+             rf"a graph with 10 vertices \(got \({rows}, 3\)\)\. .*x - x.mean\(0, keepdim=True\)")
+    with pytest.warns(UserWarning) if how == "eager" else contextlib.nullcontext():
+        with pytest.raises(ValueError, match=match):
+            if streamed:
+                with ngra.Engine(num_chunks=2):
+                    layer(g, torch.zeros(10, 3))
+            else:
+                layer(g, torch.zeros(10, 3))
+
+
+def test_apply_edge_must_return_one_row_per_edge_when_traced(g):
+    class Bad(ngra.VertexProgram):
+        def apply_edge(self, e):
+            return e.src["h"].mean(0, keepdim=True)
+
+    with pytest.raises(ValueError, match=r"Bad.apply_edge must return one row per edge: expected "
+                       r"shape \[E, ...\] \(got \[1, 3\], %mean = %h_src.mean\(0, keepdim=True\) at "
+                       r"test_errors.py:\d+ in apply_edge: return e.src\[\"h\"\].mean\(0, "
+                       r"keepdim=True\)\)\. A reduction over dim 0"):
         Bad()(g, torch.zeros(10, 3))

@@ -169,7 +169,47 @@ def test_lift_leaves_non_rowwise_ops_on_edges():
             return x - x.mean(0, keepdim=True)  # mixes rows: per-edge mean != per-vertex mean
 
     prog = compiled(NotRowwise())
-    assert "%mean: edge" in str(prog.ir)
+    # Not lifted, and not mislabelled: a mean over the edges is one row, not a per-edge value,
+    # so it is no edge operand of a g-SpMM either (that crashed: gspmm[u_sub_e](%h, %mean)).
+    assert str(prog.ir).splitlines()[2:] == [
+        "%mean: global[1, 4] f32 = %h_src.mean(0, keepdim=True)",
+        "%sub: edge[E, 4] f32 = sub(%h_src, %mean)",
+        "%acc: vertex[N, 4] f32 = gspmm[copy_e, sum](%sub)",
+        "return %acc"]
+    g = random_graph()
+    x = torch.randn(g.num_nodes, 4)
+    m = x[g.src]
+    expected = torch.zeros(g.num_nodes, 4).index_add_(0, g.dst, m - m.mean(0, keepdim=True))
+    torch.testing.assert_close(NotRowwise()(g, x), expected)
+
+
+@pytest.mark.parametrize("code, shape", [
+    ("m.mean(0, keepdim=True)", "global[1, 3]"), ("m.norm(dim=0)", "global[3]"),
+    ("m.sum()", "global[]"), ("m.amax(-2)", "global[3]"), ("m.sum(-1, keepdim=True)", "edge[E, 1]"),
+    ("torch.softmax(m, dim=0)", "edge[E, 3]"), ("m.view(-1)", "global[69]")])
+def test_shapes_of_reductions_over_dim_0_are_not_per_edge(code, shape):
+    """Shape propagation labels a value that lost the edge rows as global, with its true shape."""
+    class Reduce(ngra.VertexProgram):
+        def apply_edge(self, e):
+            m = e.src["h"] * e.dst["h"]
+            r = eval(code)
+            return m * r.sum()
+
+    ir = str(compiled(Reduce(), fin=3).raw_ir)
+    line = next(x for x in ir.splitlines() if "= %mul." in x or "torch.softmax" in x)
+    assert f": {shape} f32 = " in line, ir
+
+
+def test_vertex_reductions_over_dim_0_are_global_too():
+    class Center(ngra.VertexProgram):
+        def apply_vertex(self, v, acc):
+            return acc - acc.mean(0, keepdim=True)
+
+        apply_edge = ngra.fn.copy_u("h")
+
+    ir = str(compiled(Center()).ir)
+    assert "%mean: global[1, 4] f32 = %acc.mean(0, keepdim=True)" in ir
+    assert "%sub: vertex[N, 4] f32 = sub(%acc, %mean)" in ir
 
 
 def test_fuse_alone_builds_sddmm_dot_and_spmm():

@@ -1,9 +1,11 @@
+import contextlib
 import functools
 
 import pytest
 import torch
 
 import ngra
+from ngra.executor import draw_seeds, edge_dropout
 from ngra.nn import GATConv
 from nn_testutil import FUSE_GRAPHS, variant_cases, assert_fused_matches_unfused, assert_parity, \
     copy_weights, make_graph
@@ -20,6 +22,25 @@ def _pair(dtype, **kw):
     ours = GATConv(5, 3, **{"heads": 2, **kw}).to(dtype)
     copy_weights(ours, theirs, MAPPING)
     return ours, theirs
+
+
+@contextlib.contextmanager
+def _ngra_edge_dropout():
+    """PyG's attention dropout with ngra's masks: ngra draws one seed per call and keeps element
+    j of edge k by a hash of (seed, k, j) (``ngra.executor.edge_dropout``), so that a streamed
+    layer masks every edge as in memory; torch's own dropout would draw other masks."""
+    real = torch.nn.functional.dropout
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        if not training or p == 0:
+            return real(x, p, training, inplace)
+        return edge_dropout(x, p, draw_seeds(1)[0], None)
+
+    torch.nn.functional.dropout = dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = real
 
 
 def _check(graph, dtype, train=False, **kw):
@@ -40,7 +61,8 @@ def _check(graph, dtype, train=False, **kw):
 
     def run_theirs(x):
         torch.manual_seed(7)
-        return theirs(x, ei)
+        with _ngra_edge_dropout():
+            return theirs(x, ei)
 
     assert_parity(ours, theirs, run_ours, run_theirs, {"x": x}, MAPPING, dtype)
 
@@ -63,7 +85,8 @@ def test_without_self_loops_matches_pyg(graph):
 @pytest.mark.parametrize("graph", ["self_loops", "random"])
 def test_attention_dropout_matches_pyg(graph):
     # Dropout acts on the [E, H] attention in the same edge order as PyG (non-loop edges, then
-    # one loop per vertex), so with one seed both draw the same mask.
+    # one loop per vertex), so with one seed and ngra's per-edge masks on both sides (see
+    # _ngra_edge_dropout) both drop the same attention coefficients.
     pytest.importorskip("torch_geometric")
     _check(graph, torch.float64, train=True, dropout=0.5)
 
