@@ -216,7 +216,7 @@ class Program:
             vdata, edata = check_inputs(self.layer, g, vdata, edata)
         # A worker's piece of a distributed graph brings its own ops (halo exchange).
         make_ops = getattr(g, "graph_ops", None)
-        ops = make_ops(backend) if make_ops is not None else GraphOps(g.in_csr(), backend)
+        ops = make_ops(backend, self) if make_ops is not None else GraphOps(g.in_csr(), backend)
         if self.eager:
             prof = profile.current()
             if prof is not None:

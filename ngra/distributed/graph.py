@@ -21,12 +21,15 @@ in-edge order as a single process; dense parameter gradients are then summed ove
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..executor import GraphOps
 from ..graph import Graph
+from ..passes import row_mixing
 from .transport import Transport, TransportError
 
 __all__ = ["DistGraph", "partition", "sync_gradients", "PARTITION_METHODS"]
@@ -152,6 +155,40 @@ class DistOps(GraphOps):
         return super().gspmm(op, reduce, self._extend(u), e)
 
 
+_CHECKED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _check_distributable(program) -> None:
+    """Refuse a layer whose IR mixes rows across vertices or edges (batch norm in training,
+    softmax / norm / cumsum / mean over dim 0, ...): a worker holds only its own vertices and
+    their in-edges, so such an op would see only those rows and silently give another result
+    than one process. Checked once per compiled program."""
+    if program in _CHECKED:
+        return
+    where = type(program.layer).__name__
+    if program.eager:
+        raise NotImplementedError(
+            f"{where} could not be compiled ({program.reason}), so ngra cannot check that it acts "
+            "row by row, which running on a DistGraph needs; make it traceable (no Python control "
+            "flow on tensor values) or run it on the whole graph")
+    for n in program.ir.nodes:
+        if not n.op.startswith("call_") or n.domain not in ("vertex", "edge", "global"):
+            continue
+        reason = row_mixing(n)
+        if reason is None and n.domain == "global":
+            reason = f"its value {list(n.shape or ())} has no row per vertex or edge"
+        if reason is None:
+            continue
+        at = f" at {n.source}" if getattr(n, "source", None) else ""
+        raise ValueError(
+            f"{where} cannot run on a DistGraph: %{n.name} = {n.format().split(' = ', 1)[1]}{at} "
+            f"mixes rows ({reason}). Each worker holds only its own vertices and their in-edges, "
+            "so this op would see only those rows and give another result than one process. "
+            "Make it act per row (a non-zero dim, batch norm in eval mode, layer norm), or run "
+            f"the layer on the whole graph.\nIR:\n{program.ir}")
+    _CHECKED.add(program)
+
+
 class DistGraph(Graph):
     """One worker's piece of a graph (see the module docstring). Build it with
     :meth:`from_global`; ``global_ids`` [n] are the global ids of its own vertices (so
@@ -258,8 +295,11 @@ class DistGraph(Graph):
                                         index_dtype=torch.int32 if small else torch.int64)
         return self._in_csr
 
-    def graph_ops(self, backend: str = "auto") -> DistOps:
-        """The ops one layer call runs on (a fresh exchange cache per call)."""
+    def graph_ops(self, backend: str = "auto", program=None) -> DistOps:
+        """The ops one layer call runs on (a fresh exchange cache per call); ``program`` (the
+        compiled layer about to run) is first checked to act row by row."""
+        if program is not None:
+            _check_distributable(program)
         return DistOps(self.in_csr(), backend, self._halo)
 
     def out_degrees(self) -> torch.Tensor:

@@ -120,3 +120,48 @@ def test_edge_cases_worker_without_vertices_and_worker_without_edges():
     results = distutil.run(_worker, 4, None, parts, timeout=300)
     assert results[2][0].numel() == 0 and results[1][0].tolist() == [36, 37, 38, 39]
     _check(results)
+
+
+def _norm_layer(kind):
+    import ngra
+
+    class Norm(ngra.VertexProgram):
+        """A sum of neighbours, then a norm over the features (layer norm: row-wise) or over the
+        vertices (batch norm in training mode: correct on one process, wrong on a piece)."""
+
+        def __init__(self, norm):
+            super().__init__("sum")
+            self.norm = norm
+
+        def apply_edge(self, e):
+            return e.src["h"]
+
+        def apply_vertex(self, v, acc):
+            return self.norm(acc)
+
+    torch.manual_seed(2)
+    return Norm(torch.nn.BatchNorm1d(F_IN) if kind == "batch" else torch.nn.LayerNorm(F_IN))
+
+
+def _row_mixing_worker(rank, world):
+    from ngra.distributed import DistGraph, Transport, partition
+
+    g, x, *_ = _problem()
+    dg = DistGraph.from_global(g, partition(g, world, method="contiguous"), Transport(timeout=60))
+    out = {}
+    for kind in ("batch", "layer"):
+        try:
+            out[kind] = _norm_layer(kind)(dg, x[dg.global_ids]).detach()
+        except ValueError as e:
+            out[kind] = str(e)
+    return dg.global_ids, out
+
+
+def test_row_mixing_layers_are_refused_and_row_wise_ones_run():
+    g, x, *_ = _problem()
+    want = _norm_layer("layer")(g, x).detach()
+    results = distutil.run(_row_mixing_worker, 2, timeout=300)
+    for ids, out in results:
+        assert "cannot run on a DistGraph" in out["batch"] and "BatchNorm1d in training mode" \
+            in out["batch"], out["batch"]
+        torch.testing.assert_close(out["layer"], want[ids], rtol=1e-5, atol=1e-6)
