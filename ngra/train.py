@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import io
 import math
 import numbers
 import os
 import random
+import re
 import resource
 import sys
 import time
@@ -33,12 +36,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-__all__ = ["HParams", "MODEL_DEFAULTS", "TrainConfig", "TrainResult", "EpochStats", "ConfigError", "fit",
-           "run", "evaluate", "compile_model", "peak_memory_bytes", "CHECKPOINT_NAME"]
+__all__ = ["HParams", "MODEL_DEFAULTS", "TrainConfig", "TrainResult", "EpochStats", "ConfigError",
+           "CheckpointError", "fit", "run", "evaluate", "compile_model", "load_checkpoint",
+           "peak_memory_bytes", "CHECKPOINT_NAME"]
 
 CHECKPOINT_NAME = "last.pt"
 _FORMAT = "ngra-checkpoint"
-_VERSION = 1
+# 2: a header line with the SHA-256 of the torch.save payload that follows it (1: the bare payload).
+_VERSION = 2
 
 
 class ConfigError(ValueError):
@@ -47,6 +52,12 @@ class ConfigError(ValueError):
     The message names the setting, the value and the fix; ``ngra train`` prints it on one line
     and exits with status 2.
     """
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint file cannot be resumed from: damaged (its checksum does not match), cut
+    short, not an ngra checkpoint, or holding values that cannot be this run's state. The
+    message names the file."""
 
 
 # -- defaults ---------------------------------------------------------------------------------
@@ -84,6 +95,10 @@ class HParams:
     heads: int = 8
     num_layers: int = 2
 
+
+# The deepest published GNNs have about 1,000 layers (RevGNN-Deep, Li et al. 2021: 1,001); every
+# layer compiles its own programs (about 15 ms each here), so 10^5 layers would only look hung.
+MAX_LAYERS = 1024
 
 _GENERIC = HParams(hidden=64, dropout=0.5, lr=0.01, weight_decay=5e-4, epochs=200, patience=None)
 
@@ -176,6 +191,11 @@ class TrainConfig:
         _check_int("hidden", hp.hidden, 1, "give a layer width such as --hidden 16")
         _check_int("heads", hp.heads, 1, "give a number of attention heads such as --heads 8")
         _check_int("num_layers", hp.num_layers, 1, "give a number of graph layers such as --num-layers 2")
+        if hp.num_layers > MAX_LAYERS:
+            raise ConfigError(f"num_layers must be at most {MAX_LAYERS} (got {hp.num_layers}); every layer "
+                              f"compiles its own programs (1,000 GCN layers take about 15 s before the first "
+                              f"epoch on a 34-vertex graph), and the deepest published GNNs have about 1,000; "
+                              f"give a number such as --num-layers 2")
         if hp.patience is not None:
             _check_int("patience", hp.patience, 0, "give a number of epochs, or 0 to turn early stopping off")
         _check_real("lr", hp.lr, "give a positive learning rate such as --lr 0.01", low=0.0, low_open=True)
@@ -215,7 +235,14 @@ class TrainConfig:
             raise ConfigError(f"give one of memory_budget ({self.memory_budget!r}) and num_chunks "
                               f"({self.num_chunks!r}), not both: the budget chooses the number of chunks")
         if self.num_chunks is not None:
+            from .engine import MAX_INTERVALS
+
             _check_int("num_chunks", self.num_chunks, 1, "give a number of chunks such as --num-chunks 4")
+            if self.num_chunks > MAX_INTERVALS:
+                raise ConfigError(f"num_chunks must be at most {MAX_INTERVALS} (got {self.num_chunks}): each "
+                                  f"of the P x P chunks costs Python work and buffers per layer, so the "
+                                  f"engine never chooses more than {MAX_INTERVALS} intervals itself; give "
+                                  f"--num-chunks {MAX_INTERVALS} or less, or --memory-budget SIZE to let it choose")
         if self.memory_budget is not None:
             from partition import parse_bytes
 
@@ -386,6 +413,8 @@ def evaluate(model: torch.nn.Module, data, *, forward_kwargs: dict | None = None
             out = model(d.graph, d.x, **(forward_kwargs or {}))
     finally:
         model.train(was_training)
+    if not isinstance(data, _Data):  # fit() checked its data once, before the first epoch
+        _check_labels(d, tuple(out.shape), getattr(data, "name", type(data).__name__))
     res = {}
     for split, ids in d.idx.items():
         if ids.numel() == 0:
@@ -521,30 +550,21 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
     device = _model_device(model)
     d = _prepare_data(data, device)
     kwargs = dict(forward_kwargs or {})
-    optimizer = torch.optim.Adam(_param_groups(model, weight_decay, weight_decay_on), lr=lr)
-    stopper = _Stopper(patience, selection)
-    fingerprint = {"lr": float(lr), "weight_decay": float(weight_decay), "weight_decay_on": weight_decay_on,
-                   "patience": patience, "selection": selection,
-                   "params": {k: list(v.shape) for k, v in model.state_dict().items()}, **(run_info or {})}
+    optimizer, stopper, fingerprint = _training_objects(
+        model, lr=lr, weight_decay=weight_decay, weight_decay_on=weight_decay_on, patience=patience,
+        selection=selection, run_info=run_info)
     ckpt_path = None if checkpoint is None else check_checkpoint_dir(checkpoint, resume=resume)
 
     # Compile every layer's program up front (train and eval mode), so that compilation is
     # neither in the first epoch's time nor anywhere in the random-number stream.
-    compile_model(model, d, forward_kwargs=kwargs)
+    out_shape = _compile(model, d, kwargs)
+    _check_labels(d, out_shape, getattr(data, "name", type(data).__name__))
 
     history: list[EpochStats] = []
     start, finished, resumed_from = 0, False, None
-    if ckpt_path is not None:
-        if resume:
-            state = _load_checkpoint(ckpt_path)
-            _check_fingerprint(state["fingerprint"], fingerprint, ckpt_path)
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            stopper.load_state_dict(state["stopper"])
-            _set_rng_state(state["rng"])
-            history = [EpochStats(**h) for h in state["history"]]
-            start = resumed_from = int(state["epoch"])
-            finished = bool(state["stopped_early"])
+    if ckpt_path is not None and resume:
+        history, start, finished = _resume(ckpt_path, model, optimizer, stopper, fingerprint)
+        resumed_from = start
 
     def save(epoch, stopped):
         if ckpt_path is not None:
@@ -579,8 +599,8 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
             step_times.append(dt)
             loss_value = float(loss.detach())
             if not math.isfinite(loss_value):
-                raise FloatingPointError(f"the training loss became {loss_value} at epoch {epoch}; "
-                                         "lower the learning rate (lr) or check the features for inf/nan")
+                raise FloatingPointError(f"the training loss became {loss_value} at epoch {epoch}; lower the "
+                                         f"learning rate (lr={lr:g}) or check the features for inf/nan")
             ev = evaluate(model, d, forward_kwargs=kwargs)
             stats = EpochStats(epoch, loss_value, ev["train_acc"], ev["val_acc"], ev["val_loss"], dt)
             history.append(stats)
@@ -614,6 +634,11 @@ def compile_model(model: torch.nn.Module, data, *, forward_kwargs: dict | None =
     """Run ``model`` once in train and once in eval mode, without gradients, so every layer
     compiles its programs (they are cached per mode). The torch RNG state is restored
     afterwards: the passes draw dropout masks that must not shift training's random stream."""
+    _compile(model, data, forward_kwargs)
+
+
+def _compile(model, data, forward_kwargs) -> tuple:
+    """compile_model(); returns the shape of the eval-mode output."""
     d = data if isinstance(data, _Data) else _prepare_data(data, _model_device(model))
     was_training = model.training
     devices = [d.x.device] if d.x.device.type == "cuda" else []
@@ -621,9 +646,36 @@ def compile_model(model: torch.nn.Module, data, *, forward_kwargs: dict | None =
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             for mode in (True, False):
                 model.train(mode)
-                model(d.graph, d.x, **(forward_kwargs or {}))
+                out = model(d.graph, d.x, **(forward_kwargs or {}))
     finally:
         model.train(was_training)
+    return tuple(getattr(out, "shape", ()))
+
+
+def _check_labels(d: _Data, out_shape: tuple, name: str) -> None:
+    """Raise ConfigError unless the model's output is logits [N, C] and every vertex of a split
+    has a label in [0, C) (cross_entropy would fail with a bare IndexError, or skip -100)."""
+    n = d.x.shape[0]
+    if len(out_shape) != 2 or out_shape[0] != n:
+        raise ConfigError(f"the model must return logits [N, C] = [{n}, num_classes] for the {n} vertices "
+                          f"of dataset {name!r} (got shape {list(out_shape)})")
+    c = out_shape[1]
+    y = d.y
+    if y.dim() != 1 or y.shape[0] != n or y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
+        raise ConfigError(f"dataset {name!r}: labels y must be an integer tensor [N] = [{n}] of class ids "
+                          f"(got {y.dtype} of shape {list(y.shape)})")
+    for split, ids in d.idx.items():
+        if ids.numel() == 0:
+            continue
+        labels = y[ids]
+        bad = ((labels < 0) | (labels >= c)).nonzero()
+        if bad.numel():
+            k = int(bad[0, 0])
+            top = int(labels.max())
+            raise ConfigError(
+                f"dataset {name!r}: vertex {int(ids[k])} of the {split} split has label {int(labels[k])}, "
+                f"but the model outputs {c} classes (logits [N, {c}]), so labels must lie in [0, {c}); "
+                f"build the model with {max(top + 1, c)} outputs (the dataset's num_classes), or fix y")
 
 
 def _fmt_stats(s: EpochStats) -> str:
@@ -657,11 +709,33 @@ def check_checkpoint_dir(directory, *, resume: bool) -> Path:
     return path
 
 
+# A checkpoint file is one header line, then the torch.save payload it describes:
+#   NGRA-CHECKPOINT 2 sha256=<64 hex digits of the payload's SHA-256> bytes=<payload length>\n
+# The payload is verified before torch.load sees it, so a damaged file is refused instead of
+# resuming with other weights (torch.load itself checks no checksum of tensor data).
+_HEADER = re.compile(rb"NGRA-CHECKPOINT (\d{1,6}) sha256=([0-9a-f]{64}) bytes=(\d{1,20})\n")
+_MAX_HEADER = 128
+_STATE_KEYS = ("format", "version", "epoch", "stopped_early", "model", "optimizer", "stopper", "rng",
+               "history", "fingerprint")
+_FIX = "delete it (or restore a good copy) to start afresh, or choose another --checkpoint folder"
+
+
+def _header(payload) -> bytes:
+    """The header line that seals ``payload`` (the bytes of a torch.save archive)."""
+    return (f"NGRA-CHECKPOINT {_VERSION} sha256={hashlib.sha256(payload).hexdigest()} "
+            f"bytes={len(payload)}\n").encode()
+
+
 def _save_checkpoint(path: Path, state: dict) -> None:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getbuffer()
+    header = _header(payload)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            f.write(header)
+            f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -677,32 +751,228 @@ def _save_checkpoint(path: Path, state: dict) -> None:
             os.close(fd)
 
 
-def _load_checkpoint(path: Path) -> dict:
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """The training state in the checkpoint file ``path`` (``DIR/last.pt``, written by :func:`fit`),
+    after verifying it.
+
+    The file's SHA-256 checksum is checked before its content is unpickled (with torch's
+    ``weights_only=True``: a checkpoint is data, loading one runs no code from it), then its
+    structure: the keys ``epoch`` (int >= 1), ``stopped_early``, ``model`` (a state dict),
+    ``optimizer``, ``stopper``, ``rng``, ``history`` (one record per epoch) and ``fingerprint``
+    (the run's settings). Raises :class:`CheckpointError`, naming the file, for anything else:
+    a flipped bit, a file cut short, another file, a state edited into values no run writes.
+    Whether the state fits a given model is checked when :func:`fit` resumes from it.
+    """
+    path = Path(path)
     try:
-        # weights_only: a checkpoint is data; loading one must not run code from it.
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ConfigError(f"{path} is not a readable ngra checkpoint ({type(e).__name__}: {e}); "
-                          "delete it or choose another --checkpoint folder") from e
-    if not isinstance(state, dict) or state.get("format") != _FORMAT:
-        raise ConfigError(f"{path} is not an ngra checkpoint; choose another --checkpoint folder")
-    if state.get("version") != _VERSION:
-        raise ConfigError(f"{path} has checkpoint version {state.get('version')!r}; this ngra reads "
-                          f"version {_VERSION}")
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+    payload = _verified_payload(path, data)
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch.load raises many types for a bad payload
+        raise CheckpointError(f"{path} passed its checksum but torch.load cannot read it "
+                              f"({type(e).__name__}: {_clip(str(e), 200)}); {_FIX}") from e
+    _check_state(state, path)
     return state
+
+
+def _verified_payload(path: Path, data: bytes) -> memoryview:
+    if data[:4] == b"PK\x03\x04":
+        raise CheckpointError(f"{path} is a checkpoint without a checksum (format 1, written by an "
+                              f"older ngra, or a plain torch.save file); this ngra resumes only from "
+                              f"format {_VERSION}, which it can verify; {_FIX}")
+    end = data.find(b"\n", 0, _MAX_HEADER)
+    m = _HEADER.fullmatch(data[:end + 1]) if end >= 0 else None
+    if m is None:
+        raise CheckpointError(f"{path} is not an ngra checkpoint, or is damaged: expected its first "
+                              f"line to be 'NGRA-CHECKPOINT {_VERSION} sha256=<hex> bytes=<n>' (got "
+                              f"{_short(bytes(data[:min(len(data), 80)]), 100)}); {_FIX}")
+    version, recorded, size = int(m[1]), m[2].decode(), int(m[3])
+    if version != _VERSION:
+        raise CheckpointError(f"{path} has checkpoint format {version}; this ngra reads format "
+                              f"{_VERSION}; {_FIX}")
+    payload = memoryview(data)[end + 1:]
+    if len(payload) != size:
+        how = "cut short" if len(payload) < size else "longer than written"
+        raise CheckpointError(f"{path} is {how}: expected {size} bytes after its header (got "
+                              f"{len(payload)}); {_FIX}")
+    actual = hashlib.sha256(payload).hexdigest()
+    if actual != recorded:
+        raise CheckpointError(f"{path} is damaged: the SHA-256 of its content is {actual[:16]}..., "
+                              f"expected {recorded[:16]}... as recorded when it was written; {_FIX}")
+    return payload
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _tensor_dict(v) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in v.items())
+
+
+def _check_state(state, path: Path) -> None:
+    """Raise CheckpointError unless ``state`` has the structure and value ranges fit() writes."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path} holds {what}, which no ngra run writes (the file was edited "
+                               f"or damaged); {_FIX}")
+
+    if not isinstance(state, dict):
+        raise bad(f"a {type(state).__name__} (expected a dict of training state)")
+    if state.get("format") != _FORMAT or state.get("version") != _VERSION:
+        raise bad(f"format {_short(state.get('format'))} version {_short(state.get('version'))} (expected "
+                  f"{_FORMAT!r} version {_VERSION})")
+    missing = [k for k in _STATE_KEYS if k not in state]
+    if missing:
+        raise bad(f"no {', '.join(map(repr, missing))} (expected the keys {', '.join(_STATE_KEYS)})")
+    epoch = state["epoch"]
+    if not _is_int(epoch) or epoch < 1:
+        raise bad(f"epoch {_short(epoch)} (expected an integer >= 1: a checkpoint is written after an epoch)")
+    if not isinstance(state["stopped_early"], bool):
+        raise bad(f"stopped_early {_short(state['stopped_early'])} (expected True or False)")
+    if not _tensor_dict(state["model"]):
+        raise bad("a 'model' that is not a state dict of tensors")
+    opt = state["optimizer"]
+    if not (isinstance(opt, dict) and isinstance(opt.get("state"), dict)
+            and isinstance(opt.get("param_groups"), list)
+            and all(isinstance(g, dict) for g in opt["param_groups"])):
+        raise bad("an 'optimizer' that is not an optimizer state dict (state, param_groups)")
+    st = state["stopper"]
+    if not (isinstance(st, dict) and _is_real(st.get("best_acc")) and _is_real(st.get("best_loss"))
+            and _is_int(st.get("bad_epochs")) and _is_int(st.get("best_epoch"))
+            and (st.get("best_state") is None or _tensor_dict(st.get("best_state")))):
+        raise bad("a 'stopper' without best_acc, best_loss, bad_epochs, best_epoch, best_state")
+    if not (0 <= st["best_epoch"] <= epoch and 0 <= st["bad_epochs"] <= epoch):
+        raise bad(f"best_epoch {st['best_epoch']} and bad_epochs {st['bad_epochs']} (expected each in "
+                  f"[0, {epoch}], the checkpoint's epoch)")
+    hist = state["history"]
+    fields = [f.name for f in dataclasses.fields(EpochStats)]
+    if not isinstance(hist, list) or len(hist) != epoch:
+        n = len(hist) if isinstance(hist, list) else type(hist).__name__
+        raise bad(f"a history of {n} epochs at epoch {epoch} (expected one record per epoch)")
+    for i, h in enumerate(hist, 1):
+        if not (isinstance(h, dict) and sorted(h) == sorted(fields) and h["epoch"] == i
+                and _is_real(h["loss"]) and _is_real(h["time_s"])
+                and all(h[k] is None or _is_real(h[k]) for k in ("train_acc", "val_acc", "val_loss"))):
+            raise bad(f"history record {i} {_short(h)} (expected {', '.join(fields)} with epoch {i})")
+    if not isinstance(state["fingerprint"], dict):
+        raise bad("a 'fingerprint' that is not a dict of the run's settings")
+    _check_rng_state(state["rng"], bad)
+
+
+def _check_rng_state(rng, bad) -> None:
+    """Check every generator state by loading it into a scratch generator (the global ones are
+    set only once the whole checkpoint has passed)."""
+    if not isinstance(rng, dict) or not {"torch", "python", "numpy"} <= set(rng):
+        raise bad("an 'rng' without the torch, python and numpy generator states")
+    t = rng["torch"]
+    if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape == torch.get_rng_state().shape):
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise bad(f"a torch RNG state of shape {shape} (expected a uint8 tensor of shape "
+                  f"{tuple(torch.get_rng_state().shape)})")
+    try:
+        torch.Generator().set_state(t)
+        random.Random().setstate(_as_tuple(rng["python"]))
+        n = rng["numpy"]
+        keys = n["keys"]
+        if not (isinstance(keys, torch.Tensor) and keys.dtype == torch.int64 and keys.shape == (624,)
+                and int(keys.min()) >= 0 and int(keys.max()) < 2**32):
+            raise ValueError("numpy's keys must be 624 integers in [0, 2**32)")
+        # numpy takes any pos and then reads past its 624 keys (a segfault): check it here.
+        if not (n["name"] == "MT19937" and _is_int(n["pos"]) and 0 <= n["pos"] <= 624
+                and n["has_gauss"] in (0, 1) and _is_real(n["cached_gaussian"])):
+            raise ValueError(f"numpy's state must be MT19937 with pos in [0, 624] and has_gauss 0 or 1 (got "
+                             f"{_short(n['name'])}, pos {_short(n['pos'])}, has_gauss {_short(n['has_gauss'])})")
+        np.random.RandomState().set_state((n["name"], keys.numpy().astype(np.uint32), n["pos"],
+                                           n["has_gauss"], n["cached_gaussian"]))
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError, RuntimeError) as e:
+        raise bad(f"an RNG state that cannot be restored ({type(e).__name__}: {_clip(str(e), 120)})") from e
+    cuda = rng.get("cuda")
+    if cuda is not None and not (isinstance(cuda, (list, tuple)) and all(
+            isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda)):
+        raise bad("a CUDA RNG state that is not a list of uint8 tensors")
+
+
+def _training_objects(model, *, lr, weight_decay, weight_decay_on, patience, selection, run_info):
+    """The optimizer, the early stopper and the settings fingerprint fit() trains (and resumes) with."""
+    optimizer = torch.optim.Adam(_param_groups(model, weight_decay, weight_decay_on), lr=lr)
+    stopper = _Stopper(patience, selection)
+    fingerprint = {"lr": float(lr), "weight_decay": float(weight_decay), "weight_decay_on": weight_decay_on,
+                   "patience": patience, "selection": selection,
+                   "params": {k: list(v.shape) for k, v in model.state_dict().items()}, **(run_info or {})}
+    return optimizer, stopper, fingerprint
+
+
+def _resume(path: Path, model, optimizer, stopper, fingerprint) -> tuple[list[EpochStats], int, bool]:
+    """Load and verify the checkpoint ``path``, check it fits this run, and restore the model,
+    optimizer, stopper and the global RNGs from it. Returns ``(history, epoch, stopped_early)``.
+    Nothing is restored unless every check passed."""
+    state = load_checkpoint(path)
+    _check_fingerprint(state["fingerprint"], fingerprint, path)
+    saved_opt, epoch = state["optimizer"], state["epoch"]
+    now_groups = optimizer.state_dict()["param_groups"]
+    if len(saved_opt["param_groups"]) != len(now_groups):
+        raise CheckpointError(f"{path} has {len(saved_opt['param_groups'])} optimizer parameter groups, "
+                              f"this run {len(now_groups)}; {_FIX}")
+    for saved, now in zip(saved_opt["param_groups"], now_groups):
+        for key in ("lr", "weight_decay", "betas", "eps", "amsgrad"):
+            if _as_tuple(saved.get(key)) != _as_tuple(now.get(key)):
+                raise CheckpointError(f"{path} has optimizer {key} {_short(saved.get(key))}, but the run's "
+                                      f"settings give {_short(now.get(key))} (the file was edited); {_FIX}")
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    best = state["stopper"]["best_state"]
+    for name, sd in (("model", state["model"]), ("selected weights", best)):
+        if sd is not None and {k: v.shape for k, v in sd.items()} != shapes:
+            raise CheckpointError(f"{path}: its {name} do not match this model's parameters (names or "
+                                  f"shapes differ); {_FIX}")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    # Adam's per-parameter state (torch.optim.Adam: step and the two moments, with amsgrad the max).
+    keys = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if optimizer.defaults.get("amsgrad") else set())
+    for i, s in saved_opt["state"].items():
+        ok = _is_int(i) and 0 <= i < len(params) and isinstance(s, dict) and set(s) == keys
+        for k, v in (s.items() if ok else ()):
+            if k == "step":
+                ok = ok and (v.numel() == 1 and v.is_floating_point() if isinstance(v, torch.Tensor)
+                             else _is_real(v)) and 0 <= float(v) <= epoch
+            else:
+                ok = ok and isinstance(v, torch.Tensor) and v.shape == params[i].shape \
+                    and v.dtype == params[i].dtype
+        if not ok:
+            raise CheckpointError(f"{path} holds optimizer state {_short(i)} that does not fit parameter "
+                                  f"{_short(i)} of this model at epoch {epoch} (other keys than Adam's "
+                                  f"{', '.join(sorted(keys))}, wrong shape or dtype, or more steps than "
+                                  f"epochs); {_FIX}")
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(saved_opt)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise CheckpointError(f"{path} does not fit this model ({type(e).__name__}: "
+                              f"{_clip(' '.join(str(e).split()), 200)}); {_FIX}") from e
+    stopper.load_state_dict(state["stopper"])
+    _set_rng_state(state["rng"])
+    return [EpochStats(**h) for h in state["history"]], int(epoch), bool(state["stopped_early"])
 
 
 def _check_fingerprint(saved: dict, now: dict, path: Path) -> None:
     diff = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     if diff:
         parts = "; ".join(f"{k}: checkpoint {_short(saved.get(k))}, now {_short(now.get(k))}" for k in diff)
-        raise ConfigError(f"{path} was written by a run with other settings ({parts}); resume with "
-                          "the same settings, or use another --checkpoint folder")
+        raise CheckpointError(f"{path} was written by a run with other settings ({parts}); resume with "
+                              "the same settings, or use another --checkpoint folder")
 
 
-def _short(v) -> str:
-    s = repr(v)
-    return s if len(s) <= 80 else s[:77] + "..."
+def _short(v, limit: int = 80) -> str:
+    return _clip(repr(v), limit)
+
+
+def _clip(s: str, limit: int) -> str:
+    return s if len(s) <= limit else s[:limit - 3] + "..."
 
 
 def _get_rng_state() -> dict:
@@ -781,6 +1051,52 @@ def build(config: TrainConfig, data, hp: HParams | None = None):
     return model, kwargs
 
 
+def _check_model_size(config: TrainConfig, data, hp: HParams, device: torch.device) -> None:
+    """Refuse a model that cannot fit in memory, before allocating it: the model is built on
+    torch's meta device (shapes only) to count its parameters exactly. The estimate is a lower
+    bound: parameters, gradients and Adam's two moments (4 x the parameter bytes) plus one
+    [N, width] float32 output per layer kept for the backward pass."""
+    from .nn import build_model
+
+    extra = {"num_relations": 1} if config.model == "rgcn" else {}
+    try:
+        with torch.device("meta"):
+            meta = build_model(config.model, data.num_features, hp.hidden, data.num_classes,
+                               num_layers=hp.num_layers, dropout=hp.dropout, heads=hp.heads, **extra)
+        param_bytes = sum(t.numel() * t.element_size() for t in meta.state_dict().values())
+    except RuntimeError:  # "Storage size calculation overflowed": more than 2**63 bytes
+        param_bytes = math.inf
+    width = hp.hidden * (hp.heads if config.model == "gat" else 1)
+    need = 4 * param_bytes + hp.num_layers * data.graph.num_nodes * width * 4
+    if device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"GPU {device}"
+    else:
+        have, where = _memory_limit(), "this machine"
+        if have is None:  # pragma: no cover - no sysconf
+            return
+    if need > have:
+        from partition import format_bytes
+
+        size = "more than 2**63 bytes" if math.isinf(need) else f"at least {format_bytes(int(need))}"
+        raise ConfigError(
+            f"{config.model} with hidden={hp.hidden}"
+            f"{f' x heads={hp.heads}' if config.model == 'gat' else ''} and num_layers={hp.num_layers} on "
+            f"dataset {config.dataset!r} ({data.graph.num_nodes} vertices, {data.num_features} features) "
+            f"needs {size} (parameters, gradients and Adam's moments, and one output per layer), but "
+            f"{where} has {format_bytes(int(have))}; give a smaller --hidden or --num-layers")
+
+
+def _memory_limit() -> int | None:
+    """Physical memory in bytes, or the container's cgroup limit (v2 ``memory.max``) if lower."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - no sysconf
+        return None
+    with contextlib.suppress(OSError, ValueError):
+        total = min(total, int(Path("/sys/fs/cgroup/memory.max").read_text().strip()))  # "max": no limit
+    return total
+
+
 def _engine_context(config: TrainConfig):
     if config.memory_budget is None and config.num_chunks is None:
         return contextlib.nullcontext()
@@ -825,8 +1141,13 @@ def setup(config: TrainConfig, *, data=None):
     if hp.patience is not None and (data.val_mask is None or not bool(data.val_mask.any())):
         raise ConfigError(f"dataset {config.dataset!r} has no validation vertices, so early stopping "
                           f"(patience={hp.patience}) cannot work; pass --patience 0")
-    model, kwargs = build(config, data, hp)
     device = _device(config.device)
+    if config.num_chunks is not None and config.num_chunks > data.graph.num_nodes:
+        raise ConfigError(f"num_chunks {config.num_chunks} is more than the {data.graph.num_nodes} vertices "
+                          f"of dataset {config.dataset!r}: every interval needs a vertex; give at most "
+                          f"{data.graph.num_nodes}, e.g. --num-chunks {max(1, min(data.graph.num_nodes, 4))}")
+    _check_model_size(config, data, hp, device)
+    model, kwargs = build(config, data, hp)
     model = model.to(device)
     kwargs = {k: v.to(device) for k, v in kwargs.items()}
     if not isinstance(engine_ctx, contextlib.nullcontext):

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
 import resource
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
+import types
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -18,8 +22,8 @@ import torch
 
 from ngra import datasets
 from ngra.nn import MODELS, build_model
-from ngra.train import (CHECKPOINT_NAME, MODEL_DEFAULTS, ConfigError, TrainConfig, _Stopper, evaluate, fit,
-                        peak_memory_bytes, run)
+from ngra.train import (CHECKPOINT_NAME, MODEL_DEFAULTS, CheckpointError, ConfigError, TrainConfig, _Stopper,
+                        _save_checkpoint, evaluate, fit, load_checkpoint, peak_memory_bytes, run)
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared" / "datasets"
@@ -211,7 +215,7 @@ def _kill_at(k):
 
 
 def _checkpoint(path):
-    return torch.load(Path(path) / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
+    return load_checkpoint(Path(path) / CHECKPOINT_NAME)
 
 
 def _assert_same_run(a: dict, b: dict):
@@ -410,8 +414,156 @@ def test_resume_with_other_settings_is_refused(tmp_path):
 
 def test_corrupt_checkpoint_is_refused(tmp_path):
     (tmp_path / CHECKPOINT_NAME).write_bytes(b"not a checkpoint")
-    with pytest.raises(ConfigError, match=r"not a readable ngra checkpoint"):
+    with pytest.raises(CheckpointError, match=r"last.pt is not an ngra checkpoint, or is damaged: expected its "
+                                              r"first line to be 'NGRA-CHECKPOINT 2 sha256=<hex> bytes=<n>' "
+                                              r"\(got b'not a checkpoint'\)"):
         run(small_config(checkpoint=tmp_path, resume=True))
+
+
+def _tensor_data_offsets(path: Path) -> list[int]:
+    """File offsets of the first byte of every tensor's data in a checkpoint (its zip records
+    named .../data/<key>, after the header line)."""
+    raw = path.read_bytes()
+    start = raw.index(b"\n") + 1
+    offsets = []
+    with zipfile.ZipFile(io.BytesIO(raw[start:])) as z:
+        for info in z.infolist():
+            if "/data/" in info.filename and info.file_size:
+                local = start + info.header_offset
+                name_len, extra_len = struct.unpack("<HH", raw[local + 26:local + 30])
+                offsets.append(local + 30 + name_len + extra_len)
+    return offsets
+
+
+def test_a_flipped_bit_in_tensor_data_is_refused(tmp_path):
+    # Issue 20: torch.load checks no checksum of tensor data, so most such flips resumed silently
+    # with other weights; the checksum now refuses every one before anything is restored.
+    run(small_config(epochs=2, checkpoint=tmp_path))
+    path = tmp_path / CHECKPOINT_NAME
+    good = path.read_bytes()
+    offsets = _tensor_data_offsets(path)
+    assert len(offsets) >= 9
+    silently_changed = 0
+    for k, off in enumerate(offsets[:9]):
+        bad = bytearray(good)
+        bad[off + 1] ^= 1 << (k % 8)
+        path.write_bytes(bytes(bad))
+        with pytest.raises(CheckpointError, match=r"last.pt is damaged: the SHA-256 of its content is [0-9a-f]{16}"
+                                                  r"\.\.\., expected [0-9a-f]{16}\.\.\. as recorded"):
+            run(small_config(epochs=3, checkpoint=tmp_path, resume=True))
+        # What the bare torch.load of the payload (the old format) made of it: often loaded, changed.
+        try:
+            flipped, clean = load_checkpoint_unchecked(bytes(bad)), load_checkpoint_unchecked(good)
+        except Exception:  # noqa: BLE001 - torch refused this one itself
+            continue
+        silently_changed += any(not torch.equal(flipped[part][k], clean[part][k])
+                                for part in ("model",) for k in clean[part])
+        silently_changed += any(not torch.equal(flipped["optimizer"]["state"][i][k], v)
+                                for i, s in clean["optimizer"]["state"].items() for k, v in s.items())
+    assert silently_changed >= 1
+    path.write_bytes(good)
+    assert run(small_config(epochs=3, checkpoint=tmp_path, resume=True)).resumed_from == 2
+
+
+def load_checkpoint_unchecked(raw: bytes) -> dict:
+    return torch.load(io.BytesIO(raw[raw.index(b"\n") + 1:]), weights_only=True)
+
+
+@pytest.mark.parametrize("how, match", [
+    ("truncate", r"last.pt is cut short: expected \d+ bytes after its header \(got \d+\)"),
+    ("extend", r"last.pt is longer than written: expected \d+ bytes after its header"),
+    ("header", r"last.pt is not an ngra checkpoint, or is damaged: expected its first line"),
+    ("version", r"last.pt has checkpoint format 3; this ngra reads format 2"),
+    ("format-1", r"last.pt is a checkpoint without a checksum \(format 1, written by an older ngra, or a plain "
+                 r"torch.save file\)"),
+    ("empty", r"last.pt is not an ngra checkpoint"),
+])
+def test_damaged_checkpoint_files_are_refused(tmp_path, how, match):
+    run(small_config(epochs=2, checkpoint=tmp_path))
+    path = tmp_path / CHECKPOINT_NAME
+    raw = path.read_bytes()
+    body = raw[raw.index(b"\n") + 1:]
+    edited = {"truncate": raw[:-100], "extend": raw + b"\0", "header": b"X" + raw[1:],
+              "version": raw.replace(b"NGRA-CHECKPOINT 2", b"NGRA-CHECKPOINT 3", 1), "format-1": body,
+              "empty": b""}[how]
+    path.write_bytes(edited)
+    with pytest.raises(CheckpointError, match=match):
+        run(small_config(epochs=3, checkpoint=tmp_path, resume=True))
+
+
+def _set(path, value):
+    def edit(state):
+        *keys, last = path
+        for k in keys:
+            state = state[k]
+        if value is _DELETE:
+            del state[last]
+        else:
+            state[last] = value(state[last]) if callable(value) else value
+    return edit
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_set(["model"], _DELETE), r"holds no 'model' \(expected the keys format, version, epoch"),
+    (_set(["epoch"], -5), r"holds epoch -5 \(expected an integer >= 1"),
+    (_set(["epoch"], 7), r"holds a history of 2 epochs at epoch 7 \(expected one record per epoch\)"),
+    (_set(["epoch"], "2"), r"holds epoch '2' \(expected an integer >= 1"),
+    (_set(["stopped_early"], "no"), r"holds stopped_early 'no' \(expected True or False\)"),
+    (_set(["rng", "torch"], lambda t: t[:100]), r"holds a torch RNG state of shape \(100,\) \(expected a uint8 "
+                                                r"tensor of shape \(\d+,\)\)"),
+    (_set(["rng", "python"], lambda s: (s[0], s[1][:10], s[2])), r"holds an RNG state that cannot be restored"),
+    # numpy itself accepts pos 10**6 and then segfaults on the next draw.
+    (_set(["rng", "numpy", "pos"], 10**6), r"holds an RNG state that cannot be restored \(ValueError: numpy's "
+                                          r"state must be MT19937 with pos in \[0, 624\]"),
+    (_set(["rng", "numpy", "has_gauss"], 7), r"pos in \[0, 624\] and has_gauss 0 or 1"),
+    (_set(["rng", "torch"], lambda t: torch.zeros_like(t)), r"holds an RNG state that cannot be restored "
+                                                           r"\(RuntimeError: Invalid mt19937 state\)"),
+    (_set(["rng", "numpy", "keys"], lambda k: k[:5]), r"numpy's keys must be 624 integers"),
+    (_set(["rng"], _DELETE), r"holds no 'rng'"),
+    (_set(["history"], lambda h: h[:1]), r"a history of 1 epochs at epoch 2"),
+    (_set(["history", 0, "epoch"], 9), r"holds history record 1 \{"),
+    (_set(["stopper", "best_epoch"], 5), r"best_epoch 5 and bad_epochs 0 \(expected each in \[0, 2\]"),
+    (_set(["stopper", "best_loss"], "low"), r"holds a 'stopper' without best_acc"),
+    (_set(["model", "layers.0.lin.weight"], lambda w: w[:3]), r"its model do not match this model's parameters"),
+    (_set(["model", "layers.0.lin.weight"], _DELETE), r"its model do not match this model's parameters"),
+    (_set(["optimizer", "state", 0, "exp_avg"], lambda t: t[:1]), r"holds optimizer state 0 that does not fit "
+                                                                  r"parameter 0 of this model at epoch 2 \(other keys than "
+                                                                  r"Adam's exp_avg, exp_avg_sq, step, wrong shape"),
+    (_set(["optimizer", "state", 0, "step"], lambda t: t + 100), r"optimizer state 0 .* more steps than epochs"),
+    (_set(["optimizer", "state", 1, "exp_avg_sq"], lambda t: t.double()), r"holds optimizer state 1 .* wrong shape "
+                                                                         r"or dtype"),
+    # A flipped bit in a key's name (found by tests/fuzz): Adam's step failed with a KeyError.
+    (_set(["optimizer", "state", 2], lambda s: {("exp_avg_sp" if k == "exp_avg_sq" else k): v for k, v in s.items()}),
+     r"holds optimizer state 2 that does not fit parameter 2 of this model at epoch 2 \(other keys"),
+    (_set(["optimizer", "param_groups", 0, "lr"], 10.0), r"has optimizer lr 10.0, but the run's settings give 0.01"),
+    (_set(["optimizer", "param_groups"], lambda g: g[:1]), r"has 1 optimizer parameter groups, this run 2"),
+    (_set(["fingerprint", "seed"], 3), r"was written by a run with other settings \(seed: checkpoint 3, now 0\)"),
+    (_set(["format"], "other"), r"holds format 'other' version 2 \(expected 'ngra-checkpoint' version 2\)"),
+])
+def test_edited_but_loadable_checkpoints_are_refused(tmp_path, edit, match):
+    # Edited through torch and written back with a valid checksum: the content itself is checked.
+    run(small_config(epochs=2, checkpoint=tmp_path))
+    path = tmp_path / CHECKPOINT_NAME
+    state = load_checkpoint(path)
+    edit(state)
+    _save_checkpoint(path, state)
+    with pytest.raises(CheckpointError, match=match) as info:
+        run(small_config(epochs=3, checkpoint=tmp_path, resume=True))
+    assert str(path) in str(info.value)
+
+
+def test_a_plain_torch_file_is_still_readable_as_the_payload(tmp_path):
+    # The payload after the header line is an ordinary torch.save archive.
+    run(small_config(epochs=2, checkpoint=tmp_path))
+    raw = (tmp_path / CHECKPOINT_NAME).read_bytes()
+    header, _, payload = raw.partition(b"\n")
+    assert header.startswith(b"NGRA-CHECKPOINT 2 sha256=") and header.endswith(b"bytes=%d" % len(payload))
+    state = torch.load(io.BytesIO(payload), weights_only=True)
+    assert state["epoch"] == 2 and state["version"] == 2
+    assert load_checkpoint(tmp_path / CHECKPOINT_NAME)["epoch"] == 2
 
 
 def test_streaming_flags_are_checked():
@@ -439,3 +591,56 @@ def test_fit_with_a_plain_model_and_forward_kwargs():
     res = fit(model, data, epochs=5, lr=0.01, forward_kwargs=_forward_kwargs("rgcn", data.graph),
               progress=False)
     assert res.epochs_run == 5 and res.model is model
+
+
+def test_labels_beyond_the_output_width_are_named():
+    # Issue 20: torch's bare "IndexError: Target 2 is out of bounds" before.
+    data = datasets.load("sbm", **SMALL_SBM)
+    torch.manual_seed(0)
+    narrow = build_model("gcn", data.num_features, 8, 2)  # 3 classes in the data
+    first = int(data.train_mask.nonzero()[(data.y[data.train_mask] == 2).nonzero()[0, 0], 0])
+    with pytest.raises(ConfigError, match=rf"^dataset 'sbm': vertex {first} of the train split has label 2, but the "
+                                          r"model outputs 2 classes \(logits \[N, 2\]\), so labels must lie in "
+                                          r"\[0, 2\); build the model with 3 outputs"):
+        fit(narrow, data, epochs=1, lr=0.01, progress=False)
+    with pytest.raises(ConfigError, match=r"has label 2, but the model outputs 2 classes"):
+        evaluate(narrow, data)
+    # Plain records (fit takes any object with these fields): ngra.datasets.Dataset checks y itself.
+    def record(y, test_mask=data.test_mask):
+        return types.SimpleNamespace(name="sbm", graph=data.graph, x=data.x, y=y, train_mask=data.train_mask,
+                                     val_mask=data.val_mask, test_mask=test_mask)
+
+    negative = record(torch.where(data.val_mask, -100, data.y))  # cross_entropy would skip -100
+    with pytest.raises(ConfigError, match=r"of the val split has label -100, but the model outputs 3 classes"):
+        fit(build_model("gcn", data.num_features, 8, 3), negative, epochs=1, lr=0.01, progress=False)
+    # Vertices in no split may carry any label (OGB marks unlabelled ones), as before.
+    test = data.test_mask & (torch.arange(240) % 2 == 0)
+    unlabelled = ~(data.train_mask | data.val_mask | test)
+    free = record(torch.where(unlabelled, -7, data.y), test)
+    assert fit(build_model("gcn", data.num_features, 8, 3), free, epochs=1, lr=0.01, progress=False).epochs_run == 1
+    floats = record(data.y.float())
+    with pytest.raises(ConfigError, match=r"labels y must be an integer tensor \[N\] = \[240\] of class ids \(got "
+                                          r"torch.float32 of shape \[240\]\)"):
+        fit(build_model("gcn", data.num_features, 8, 3), floats, epochs=1, lr=0.01, progress=False)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"num_layers": 100_000}, r"^num_layers must be at most 1024 \(got 100000\); every layer compiles"),
+    ({"num_chunks": 10**9}, r"^num_chunks must be at most 256 \(got 1000000000\)"),
+    ({"num_chunks": 241}, r"^num_chunks 241 is more than the 240 vertices of dataset 'sbm': every interval needs a "
+                          r"vertex; give at most 240, e.g. --num-chunks 4$"),
+    ({"hidden": 10**11}, r"^gcn with hidden=100000000000 and num_layers=2 on dataset 'sbm' \(240 vertices, 8 "
+                         r"features\) needs at least \d+(\.\d+)? TiB \(parameters, gradients and Adam's moments, and "
+                         r"one output per layer\), but this machine has .*; give a smaller --hidden or --num-layers$"),
+    ({"model": "gin", "hidden": 10**11}, r"needs more than 2\*\*63 bytes"),
+    ({"model": "gat", "hidden": 10**5, "heads": 10**4}, r"^gat with hidden=100000 x heads=10000 and num_layers=2"),
+])
+def test_sizes_beyond_the_machine_are_refused_before_allocating(kw, match):
+    # Issue 20: --hidden 1e11 died in torch's allocator with a traceback, --num-layers 1e5 hung,
+    # --num-chunks 1e9 grew to 24 GB and was OOM-killed.
+    with pytest.raises(ConfigError, match=match):
+        run(small_config(epochs=1, **kw))
+
+
+def test_the_largest_accepted_num_chunks_still_runs():
+    assert run(small_config(epochs=1, num_chunks=240)).info["streamed"]["num_intervals"] == 240
