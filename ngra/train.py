@@ -921,6 +921,9 @@ def _resume(path: Path, model, optimizer, stopper, fingerprint) -> tuple[list[Ep
         raise CheckpointError(f"{path} has {len(saved_opt['param_groups'])} optimizer parameter groups, "
                               f"this run {len(now_groups)}; {_FIX}")
     for saved, now in zip(saved_opt["param_groups"], now_groups):
+        if not isinstance(saved.get("params"), list) or len(saved["params"]) != len(now["params"]):
+            raise CheckpointError(f"{path} has an optimizer parameter group with parameters "
+                                  f"{_short(saved.get('params'))} where this run has {len(now['params'])}; {_FIX}")
         for key in ("lr", "weight_decay", "betas", "eps", "amsgrad"):
             if _as_tuple(saved.get(key)) != _as_tuple(now.get(key)):
                 raise CheckpointError(f"{path} has optimizer {key} {_short(saved.get(key))}, but the run's "

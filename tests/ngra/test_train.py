@@ -540,6 +540,8 @@ _DELETE = object()
      r"holds optimizer state 2 that does not fit parameter 2 of this model at epoch 2 \(other keys"),
     (_set(["optimizer", "param_groups", 0, "lr"], 10.0), r"has optimizer lr 10.0, but the run's settings give 0.01"),
     (_set(["optimizer", "param_groups"], lambda g: g[:1]), r"has 1 optimizer parameter groups, this run 2"),
+    (_set(["optimizer", "param_groups", 1, "params"], lambda ids: ids[:1]), r"has an optimizer parameter group with "
+                                                                            r"parameters \[1\] where this run has 3"),
     (_set(["fingerprint", "seed"], 3), r"was written by a run with other settings \(seed: checkpoint 3, now 0\)"),
     (_set(["format"], "other"), r"holds format 'other' version 2 \(expected 'ngra-checkpoint' version 2\)"),
 ])
