@@ -1,8 +1,10 @@
 """Command line: ``ngra train`` and ``ngra info`` (also ``python -m ngra``).
 
-User errors (bad values, unknown names, missing folders) print one line,
-``ngra <command>: error: <what is wrong and how to fix it>``, and exit with status 2; an
-interrupted run exits with 130 after saying where its last checkpoint is.
+User errors (bad values, unknown names, missing folders, a damaged checkpoint, a run that
+diverged or needs more memory than there is) print one line,
+``ngra <command>: error: <what is wrong and how to fix it>``, and exit with status 2. Ctrl-C
+(SIGINT) prints one line and exits with 130; the line says how to resume only when a checkpoint
+was written.
 """
 
 from __future__ import annotations
@@ -122,9 +124,8 @@ def _train(args) -> int:
         checkpoint_every=args.checkpoint_every, memory_budget=args.memory_budget,
         num_chunks=args.num_chunks, progress=args.progress, log_every=args.log_every)
     metrics_path = Path(args.metrics_json) if args.metrics_json else None
-    if metrics_path is not None and not metrics_path.parent.is_dir():
-        raise _user("train", f"--metrics-json: folder {str(metrics_path.parent)!r} does not exist; create it "
-                    "or write the file elsewhere")
+    if metrics_path is not None:
+        _check_writable(metrics_path)
     try:
         model, data, fit_kwargs, engine_ctx = setup(config)
     except (ValueError, TypeError, OSError) as e:
@@ -133,23 +134,50 @@ def _train(args) -> int:
     try:
         with engine_ctx:
             result = fit(model, data, **fit_kwargs)
-    except KeyboardInterrupt:
-        where = f"; resume with --checkpoint {config.checkpoint} --resume" if config.checkpoint else ""
-        print(f"ngra train: interrupted{where}", file=sys.stderr)
-        return 130
+    except FloatingPointError as e:  # the loss diverged: too high a learning rate, or bad features
+        raise _user("train", str(e)) from e
     except ValueError as e:
         from .train import ConfigError
 
-        if isinstance(e, ConfigError):  # e.g. a checkpoint written for other settings
+        if isinstance(e, ConfigError):  # e.g. a checkpoint written for other settings, or damaged
             raise _user("train", str(e)) from e
         raise
     record_run(result, config, engine_ctx)
+    # The result line first: if the metrics file cannot be written after all, the run's figures
+    # are still on the screen.
+    print(f"{config.model} on {config.dataset}: {result.summary()}", flush=True)
     if metrics_path is not None:
         tmp = metrics_path.with_name(f".{metrics_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
-        os.replace(tmp, metrics_path)
-    print(f"{config.model} on {config.dataset}: {result.summary()}")
+        try:
+            tmp.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+            os.replace(tmp, metrics_path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise _user("train", f"--metrics-json: cannot write {str(metrics_path)!r} ({e}); the run "
+                                 "finished and its result is the line above") from e
     return 0
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse a --metrics-json path that cannot take the file, before training: by creating
+    (and removing) the temporary file the result will be written through."""
+    if path.is_dir():
+        raise _user("train", f"--metrics-json {str(path)!r} is a folder; give a file name such as "
+                             f"{str(path / 'metrics.json')!r}")
+    if path.exists() and not path.is_file():
+        raise _user("train", f"--metrics-json {str(path)!r} exists and is not a regular file; give the "
+                             "name of a file to (over)write")
+    if not path.parent.is_dir():
+        raise _user("train", f"--metrics-json: folder {str(path.parent)!r} does not exist; create it "
+                    "or write the file elsewhere")
+    probe = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(probe, "x"):
+            pass
+        probe.unlink()
+    except OSError as e:
+        raise _user("train", f"--metrics-json: cannot write to folder {str(path.parent)!r} "
+                             f"({e.strerror or e}); choose a writable location") from e
 
 
 def _options(items: list[str], command: str) -> dict | None:
@@ -196,12 +224,48 @@ def _user(command: str, message: str) -> _UsageError:
     return _UsageError(f"ngra {command}: error: {message}")
 
 
+def _interrupted(argv: list[str], args) -> str:
+    command = getattr(args, "command", None) or next((a for a in argv if a in ("train", "info")), "")
+    line = f"ngra {command}: interrupted".replace("  ", " ")
+    checkpoint = getattr(args, "checkpoint", None)
+    if checkpoint is None:
+        return line
+    from .train import CHECKPOINT_NAME
+
+    # Without --resume an existing checkpoint is refused before training starts, so one that is
+    # there now was written (or resumed from) by this run.
+    if (Path(checkpoint) / CHECKPOINT_NAME).is_file():
+        return (f"{line}; to continue from the last checkpoint, run the same command with --resume "
+                f"(it is in {checkpoint})")
+    return f"{line} before the first checkpoint was written; nothing to resume"
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    if isinstance(e, MemoryError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        s in text for s in ("can't allocate memory", "not enough memory", "out of memory"))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    args = None
     try:
         args = _parser().parse_args(argv)
         return args.handler(args)
     except _UsageError as e:
         print(" ".join(str(e).split("\n")), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(_interrupted(argv, args), file=sys.stderr)
+        return 130
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        command = getattr(args, "command", "")
+        print(f"ngra {command}: error: out of memory ({' '.join(str(e).split())[:300] or type(e).__name__}); "
+              "the dataset or model is too large for this machine: choose smaller dataset options "
+              "(--dataset-option) or model sizes (--hidden, --num-layers)", file=sys.stderr)
         return 2

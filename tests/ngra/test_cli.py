@@ -152,3 +152,140 @@ def test_python_dash_m_runs_the_same_command_line():
     assert bad.returncode == 2
     assert bad.stderr.strip() == "ngra train: error: epochs must be an integer >= 1 (got -1); give the " \
                                  "number of epochs to train, e.g. --epochs 200"
+
+
+# -- issue 20: reliability ----------------------------------------------------------------------
+
+def one_line_error(capsys, command="train") -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"ngra {command}: error: "), err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lr", "1e308", "--epochs", "5"], "the training loss became nan at epoch 2; lower the learning rate "
+                                         "(lr=1e+308) or check the features for inf/nan"),
+    (["--hidden", "100000000000"], "gcn with hidden=100000000000 and num_layers=2 on dataset 'sbm' (150 vertices, "
+                                   "8 features) needs at least "),
+    (["--num-layers", "100000"], "num_layers must be at most 1024 (got 100000)"),
+    (["--num-chunks", "1000000000"], "num_chunks must be at most 256 (got 1000000000)"),
+    (["--num-chunks", "151"], "num_chunks 151 is more than the 150 vertices of dataset 'sbm'"),
+    (["--metrics-json", "/dev/null"], "--metrics-json '/dev/null' exists and is not a regular file"),
+])
+def test_out_of_range_numbers_are_one_line_errors(args, message, capsys):
+    # Each was a traceback (or a hang, or an OOM kill) before.
+    assert train(*args) == 2
+    assert message in one_line_error(capsys)
+
+
+def test_metrics_json_is_checked_before_training(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    assert train("--epochs", "2", "--checkpoint", str(ck), "--metrics-json", str(tmp_path)) == 2
+    assert f"--metrics-json {str(tmp_path)!r} is a folder; give a file name such as" in one_line_error(capsys)
+    assert not ck.exists()  # refused before anything ran
+    if Path("/proc/self").is_dir():  # a folder nobody, root included, can create files in
+        assert train("--epochs", "2", "--metrics-json", "/proc/m.json") == 2
+        assert "--metrics-json: cannot write to folder '/proc' (" in one_line_error(capsys)
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_metrics_json_write_failure_after_training_keeps_the_result_line(tmp_path, capsys, monkeypatch):
+    import ngra.cli
+
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ngra.cli.os, "replace", full)
+    assert train("--epochs", "2", "--metrics-json", str(tmp_path / "m.json")) == 2
+    captured = capsys.readouterr()
+    assert captured.out.startswith("gcn on sbm: train_acc ")
+    assert captured.err.count("\n") == 1 and "No space left on device" in captured.err
+    assert "the run finished and its result is the line above" in captured.err
+    assert not list(tmp_path.iterdir())
+
+
+def test_info_on_a_graph_too_large_for_memory_is_one_line(capsys):
+    # 2**40 vertices: per-vertex statistics need terabytes (a traceback from torch's allocator
+    # before); the dataset loader may also refuse the scale itself. Either way: one line.
+    assert main(["info", "--dataset", "rmat", "--dataset-option", "scale=40", "--dataset-option",
+                 "num_edges=100"]) == 2
+    one_line_error(capsys, "info")
+
+
+def test_damaged_or_edited_checkpoint_is_one_line(tmp_path, capsys):
+    from ngra.train import CHECKPOINT_NAME, _save_checkpoint, load_checkpoint
+
+    ck = tmp_path / "ck"
+    assert train("--epochs", "2", "--checkpoint", str(ck)) == 0
+    path = ck / CHECKPOINT_NAME
+    good = path.read_bytes()
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    assert train("--epochs", "3", "--checkpoint", str(ck), "--resume") == 2
+    assert f"{path} is damaged: the SHA-256 of its content is" in one_line_error(capsys)
+    path.write_bytes(good)
+    state = load_checkpoint(path)
+    state["epoch"] = -5
+    _save_checkpoint(path, state)
+    assert train("--epochs", "3", "--checkpoint", str(ck), "--resume") == 2
+    assert f"{path} holds epoch -5 (expected an integer >= 1" in one_line_error(capsys)
+
+
+_INTERRUPTIBLE = ("import sys; from ngra.cli import main; print('started', flush=True); "
+                  "sys.exit(main(sys.argv[1:]))")
+
+
+def _interrupt(tmp_path, args, *, after: str, delay: float = 0.0):
+    """Run the CLI in a child, send SIGINT ``delay`` s after ``after`` appears on its stdout;
+    returns (exit status, stderr)."""
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTIBLE, *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:
+            if after in line:
+                break
+            assert time.monotonic() < deadline, "the CLI printed nothing expected"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, err
+
+
+def test_sigint_during_setup_exits_130_without_a_traceback_or_a_resume_hint(tmp_path):
+    # Issue 20: Ctrl-C in the first second printed a KeyboardInterrupt traceback (exit -2), and
+    # the line mentioned --resume before any checkpoint existed. Here SIGINT arrives as soon as
+    # main() starts: while the (larger) graph is generated and the model compiled.
+    ck = tmp_path / "ck"
+    code, err = _interrupt(tmp_path, ["train", "--model", "gat", "--dataset", "sbm", "--dataset-option",
+                                      "num_nodes=20000", "--epochs", "50", "--no-progress", "--checkpoint",
+                                      str(ck)], after="started", delay=0.3)
+    assert code == 130, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    if (ck / "last.pt").exists():  # the signal came late on a slow machine: then resuming is right
+        assert "run the same command with --resume" in err, err
+    else:
+        assert "--resume" not in err, err
+        assert err in ("ngra train: interrupted before the first checkpoint was written; nothing to resume\n",
+                       "ngra train: interrupted\n"), err  # the latter: still parsing the arguments
+
+
+def test_sigint_after_a_checkpoint_says_how_to_resume(tmp_path):
+    ck = tmp_path / "ck"
+    code, err = _interrupt(tmp_path, ["train", "--model", "gcn", "--dataset", "sbm", *SMALL_SBM, "--epochs",
+                                      "100000", "--no-progress", "--log-every", "1", "--checkpoint", str(ck)],
+                           after="epoch     1")
+    assert code == 130, err
+    assert err == (f"ngra train: interrupted; to continue from the last checkpoint, run the same command with "
+                   f"--resume (it is in {ck})\n")
+    from ngra.train import load_checkpoint
+
+    assert load_checkpoint(ck / "last.pt")["epoch"] >= 1
