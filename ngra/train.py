@@ -526,11 +526,16 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
     the model, the optimizer, the epoch, the torch/CUDA/numpy/``random`` RNG states, the
     early-stopping state (with the selected weights) and the history. ``resume=True`` continues
     from it; on the CPU a run killed and resumed ends with exactly the weights of an
-    uninterrupted run with the same seed. A checkpoint is refused if it was written for other
-    settings (``lr``, ``weight_decay``, ``patience``, ``selection``, parameter shapes and
-    ``run_info``);
-    ``epochs`` may differ, to train a finished run further. Without ``resume`` a folder that
-    already holds a checkpoint is refused rather than overwritten.
+    uninterrupted run with the same seed. The file carries a SHA-256 of its content, verified
+    on resume with its structure (see :func:`load_checkpoint`): a damaged or edited checkpoint
+    raises :class:`CheckpointError` before anything is restored. A checkpoint is also refused if
+    it was written for other settings (``lr``, ``weight_decay``, ``patience``, ``selection``,
+    parameter shapes and ``run_info``); ``epochs`` may differ, to train a finished run further.
+    Without ``resume`` a folder that already holds a checkpoint is refused rather than
+    overwritten.
+
+    Labels: every vertex of a split needs a label in ``[0, C)`` for the model's ``C`` outputs,
+    else :class:`ConfigError` (checked once, before the first epoch).
 
     ``on_epoch(stats)`` is called after each epoch (after its checkpoint is written); an
     exception raised there ends training, e.g. to stop from outside.
