@@ -99,6 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--log-every", type=int, default=0, metavar="N",
                    help="print a line of loss and accuracy every N epochs (default 0: only the bar)")
     t.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    t.add_argument("--workers", type=int, metavar="K",
+                   help="train on K local worker processes (torch's elastic launcher; under "
+                        "torchrun the launcher's count is used)")
+    t.add_argument("--partition", choices=("metis", "contiguous", "random"), default="metis",
+                   help="how the vertices are split over the workers (default metis)")
     t.set_defaults(handler=_train)
 
     i = sub.add_parser("info", help="print statistics of a dataset")
@@ -112,7 +117,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> int:
+    from .distributed.launch import worker_info
     from .train import TrainConfig, fit, record_run, setup
+
+    try:
+        info = worker_info()
+    except ValueError as e:
+        raise _user("train", str(e)) from e
+    if args.workers is not None:
+        if args.workers < 1 or args.workers > 64:
+            raise _user("train", f"--workers must be between 1 and 64 (got {args.workers})")
+        if info.distributed and info.world_size != args.workers:
+            raise _user("train", f"--workers {args.workers} but the launcher started "
+                                 f"{info.world_size} workers (WORLD_SIZE); leave --workers out "
+                                 "under torchrun")
+        if args.workers > 1 and not info.distributed:
+            return _launch(args)
+    if info.rank != 0:  # one voice: the other workers train quietly
+        args.progress, args.log_every, args.metrics_json = False, 0, None
 
     config = TrainConfig(
         model=args.model, dataset=args.dataset, data_dir=args.data_dir,
@@ -122,7 +144,8 @@ def _train(args) -> int:
         patience=args.patience, selection=args.selection, seed=args.seed, device=args.device,
         normalize_features=args.normalize_features, checkpoint=args.checkpoint, resume=args.resume,
         checkpoint_every=args.checkpoint_every, memory_budget=args.memory_budget,
-        num_chunks=args.num_chunks, progress=args.progress, log_every=args.log_every)
+        num_chunks=args.num_chunks, progress=args.progress, log_every=args.log_every,
+        partition=args.partition)
     metrics_path = Path(args.metrics_json) if args.metrics_json else None
     if metrics_path is not None:
         _check_writable(metrics_path)
@@ -143,6 +166,8 @@ def _train(args) -> int:
             raise _user("train", str(e)) from e
         raise
     record_run(result, config, engine_ctx)
+    if info.rank != 0:
+        return 0
     # The result line first: if the metrics file cannot be written after all, the run's figures
     # are still on the screen.
     print(f"{config.model} on {config.dataset}: {result.summary()}", flush=True)
@@ -155,6 +180,21 @@ def _train(args) -> int:
             tmp.unlink(missing_ok=True)
             raise _user("train", f"--metrics-json: cannot write {str(metrics_path)!r} ({e}); the run "
                                  "finished and its result is the line above") from e
+    return 0
+
+
+def _launch(args) -> int:
+    """``ngra train --workers K``: the same command on K local workers, started by torch's
+    elastic launcher (each worker finds its rank in the environment)."""
+    from .distributed.launch import launch
+
+    if args.metrics_json:
+        _check_writable(Path(args.metrics_json))
+    try:
+        launch(["train", *args.argv], args.workers)
+    except Exception as e:  # ChildFailedError: the workers' own errors are printed above
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _user("train", f"a worker failed ({first}); see its error above") from e
     return 0
 
 
@@ -254,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         args = _parser().parse_args(argv)
+        args.argv = argv[argv.index("train") + 1:] if "train" in argv else argv
         return args.handler(args)
     except _UsageError as e:
         print(" ".join(str(e).split("\n")), file=sys.stderr)

@@ -148,6 +148,8 @@ class TrainConfig:
     - ``dataset_options``: keyword arguments for the loader or generator, e.g.
       ``{"num_nodes": 10**6}`` for sbm (see ``ngra.datasets.load``); they override ``seed`` as
       the split seed.
+    - ``partition``: how the vertices are split when several workers run (``torchrun`` or
+      ``ngra train --workers K``): ``"metis"``, ``"contiguous"`` or ``"random"``.
     """
 
     model: str
@@ -174,6 +176,7 @@ class TrainConfig:
     num_chunks: int | None = None
     progress: bool = True
     log_every: int = 0
+    partition: str = "metis"
 
     def hparams(self) -> HParams:
         """The model's defaults with this config's overrides applied, validated."""
@@ -393,7 +396,7 @@ def _prepare_data(data, device: torch.device) -> _Data:
         mask = getattr(data, f"{split}_mask", None)
         idx[split] = (torch.zeros(0, dtype=torch.int64) if mask is None
                       else mask.nonzero().squeeze(1)).to(device)
-    if idx["train"].numel() == 0:
+    if idx["train"].numel() == 0 and _workers(data.graph) is None:  # a piece may have none
         raise ConfigError(f"dataset {name!r} has an empty training split; nothing to train on")
     return _Data(data.graph.to(device), data.x.to(device), data.y.to(device), idx)
 
@@ -415,6 +418,23 @@ def evaluate(model: torch.nn.Module, data, *, forward_kwargs: dict | None = None
         model.train(was_training)
     if not isinstance(data, _Data):  # fit() checked its data once, before the first epoch
         _check_labels(d, tuple(out.shape), getattr(data, "name", type(data).__name__))
+    workers = _workers(d.graph)
+    if workers is not None:
+        # A worker's piece: correct counts, loss sums and sizes summed over the workers.
+        sums = torch.zeros(len(d.idx), 3, dtype=torch.float64)
+        for k, ids in enumerate(d.idx.values()):
+            if ids.numel():
+                logits = out[ids]
+                sums[k, 0] = float((logits.argmax(1) == d.y[ids]).sum())
+                sums[k, 1] = float(F.cross_entropy(logits, d.y[ids], reduction="sum"))
+                sums[k, 2] = ids.numel()
+        workers.allreduce_sum(sums)
+        res = {}
+        for k, split in enumerate(d.idx):
+            n = float(sums[k, 2])
+            res[f"{split}_acc"] = None if n == 0 else float(sums[k, 0]) / n
+            res[f"{split}_loss"] = None if n == 0 else float(sums[k, 1]) / n
+        return res
     res = {}
     for split, ids in d.idx.items():
         if ids.numel() == 0:
@@ -424,6 +444,11 @@ def evaluate(model: torch.nn.Module, data, *, forward_kwargs: dict | None = None
         res[f"{split}_acc"] = float((logits.argmax(1) == d.y[ids]).float().mean())
         res[f"{split}_loss"] = float(F.cross_entropy(logits, d.y[ids]))
     return res
+
+
+def _workers(graph):
+    """The transport of a worker's piece of a distributed graph (a DistGraph), else None."""
+    return getattr(graph, "transport", None)
 
 
 def _model_device(model) -> torch.device:
@@ -555,6 +580,17 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
     device = _model_device(model)
     d = _prepare_data(data, device)
     kwargs = dict(forward_kwargs or {})
+    workers = _workers(d.graph)  # a worker's piece of a distributed graph: global loss and metrics
+    if workers is not None:
+        if checkpoint is not None:
+            raise ConfigError("checkpoints of a run on several workers are not supported yet; "
+                              "leave out checkpoint (--checkpoint) or run on one worker")
+        from .distributed import sync_gradients
+
+        n_train = int(workers.allreduce_sum(torch.tensor([float(d.idx["train"].numel())]))[0])
+        if n_train == 0:
+            raise ConfigError(f"dataset {getattr(data, 'name', '?')!r} has an empty training "
+                              "split; nothing to train on")
     optimizer, stopper, fingerprint = _training_objects(
         model, lr=lr, weight_decay=weight_decay, weight_decay_on=weight_decay_on, patience=patience,
         selection=selection, run_info=run_info)
@@ -595,8 +631,17 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
             model.train()
             optimizer.zero_grad(set_to_none=True)
             out = model(d.graph, d.x, **kwargs)
-            loss = F.cross_entropy(out[d.idx["train"]], d.y[d.idx["train"]])
-            loss.backward()
+            if workers is None:
+                loss = F.cross_entropy(out[d.idx["train"]], d.y[d.idx["train"]])
+                loss.backward()
+            else:
+                # Each worker's share of the mean over all training vertices; the summed
+                # gradients are then the single-process ones.
+                loss = F.cross_entropy(out[d.idx["train"]], d.y[d.idx["train"]],
+                                       reduction="sum") / n_train
+                loss.backward()
+                sync_gradients(model)
+                loss = workers.allreduce_sum(loss.detach().reshape(1).double())[0]
             optimizer.step()
             if cuda:
                 torch.cuda.synchronize(device)
@@ -1116,6 +1161,36 @@ def _engine_context(config: TrainConfig):
     return Engine(memory_budget=parse_bytes(config.memory_budget))
 
 
+def _distribute(config: TrainConfig, data, kwargs: dict, engine_ctx, device):
+    """Under a launcher with several workers (``torchrun``, ``ngra train --workers K``): join the
+    group, cut the graph (``config.partition``) and keep this worker's piece, its rows of the
+    data and of the per-edge model inputs. Alone: everything as it is."""
+    from .distributed.launch import worker_info
+
+    info = worker_info()
+    if not info.distributed:
+        return data, kwargs
+    if config.checkpoint is not None:
+        raise ConfigError("--checkpoint with several workers is not supported yet; leave it out "
+                          "or train on one worker")
+    if not isinstance(engine_ctx, contextlib.nullcontext):
+        raise ConfigError("streaming (--num-chunks / --memory-budget) inside each of several "
+                          "workers is not supported yet; leave it out or train on one worker")
+    from .distributed import PARTITION_METHODS, DistGraph, Transport, partition
+    from .distributed.launch import init_from_env, local_record
+
+    if config.partition not in PARTITION_METHODS:
+        raise ConfigError(f"partition must be one of {list(PARTITION_METHODS)} "
+                          f"(got {config.partition!r})")
+    init_from_env(device)
+    g = data.graph
+    parts = partition(g, info.world_size, method=config.partition, seed=config.seed)
+    dg = DistGraph.from_global(g, parts, Transport(device=device))
+    edge_rows = {k: v[dg.edge_ids.to(v.device)] if v.dim() and v.shape[0] == g.num_edges else v
+                 for k, v in kwargs.items()}
+    return local_record(data, dg), edge_rows
+
+
 def setup(config: TrainConfig, *, data=None):
     """Everything before the first epoch: validate, check the checkpoint folder, load the data
     (unless ``data``, a dataset record, is given: then ``config.dataset`` only names it), build
@@ -1158,6 +1233,7 @@ def setup(config: TrainConfig, *, data=None):
     model, kwargs = build(config, data, hp)
     model = model.to(device)
     kwargs = {k: v.to(device) for k, v in kwargs.items()}
+    data, kwargs = _distribute(config, data, kwargs, engine_ctx, device)
     if not isinstance(engine_ctx, contextlib.nullcontext):
         # The engine plans its chunks on the first call; a budget that no chunking can meet is
         # the user's setting to fix, so find out now rather than inside the first epoch.

@@ -376,6 +376,12 @@ class Transport:
         else:
             region._written += 1
 
+    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a small CPU tensor over the workers in place (through the gloo group, whatever
+        the data backend); for counts and metrics."""
+        self._collective("all_reduce", dist.all_reduce, tensor, group=self._cpu_group)
+        return tensor
+
     def _exchange(self, recv: torch.Tensor, send: torch.Tensor, recv_counts: list,
                   send_counts: list) -> None:
         """``all_to_all_single(recv, send, recv_counts, send_counts)`` of rows. On gloo it is
