@@ -33,10 +33,9 @@ import datetime
 import itertools
 import math
 import os
-import shutil
 import socket
-import tempfile
 import time
+import uuid
 import weakref
 from pathlib import Path
 
@@ -174,27 +173,25 @@ class Transport:
         self.colocated = set(local) if self.shared_memory else {self.rank}
         self._regions: dict[str, Region] = {}
         self._plans = 0  # plans made so far: names their outboxes alike on every worker
-        self._dir = None
+        self._prefix = None  # shared-memory file names: f"{prefix}.{what}"
         self._fence_slots = None  # shared-memory fence, when every worker is on this host
         self._fence_gen = 0
         if self.shared_memory:
-            # One folder per job and host, made by the host's lowest rank; its name is broadcast.
+            # One file-name prefix per job and host, chosen by the host's lowest rank. No folder:
+            # each file is unlinked as soon as every worker has mapped it, so nothing is left in
+            # /dev/shm however the workers end.
             leader = min(local)
-            path = [tempfile.mkdtemp(prefix="ngra-transport-", dir="/dev/shm")
-                    if self.rank == leader else None]
+            mine = f"/dev/shm/ngra-transport-{uuid.uuid4().hex}" if self.rank == leader else None
             every = [None] * self.world_size
-            self._collective("setup", dist.all_gather_object, every, path[0],
-                             group=self._cpu_group)
-            self._dir = Path(every[leader])
-            if self.rank == leader:
-                weakref.finalize(self, shutil.rmtree, self._dir, True)
+            self._collective("setup", dist.all_gather_object, every, mine, group=self._cpu_group)
+            self._prefix = every[leader]
             if self.colocated == set(range(self.world_size)):
                 self._fence_slots = self._map_fence()
 
     def _map_fence(self) -> torch.Tensor:
         """int64 [2, world]: row 0 the fence generation each worker reached, row 1 its pid (to
         tell a dead peer from a slow one). Shared by every worker of the host."""
-        path = self._dir / "fence"
+        path = Path(f"{self._prefix}.fence")
         slots = torch.from_file(str(path), shared=True, size=2 * self.world_size,
                                 dtype=torch.int64).view(2, self.world_size)
         slots[1, self.rank] = os.getpid()
@@ -286,7 +283,7 @@ class Transport:
             region = Region(self, name, all_rows, row_shape, dtype, local, None, {})
         else:
             def mapping(rank):
-                path = self._dir / f"{name}.{rank}"
+                path = f"{self._prefix}.{name}.{rank}"
                 nbytes = _HEADER + all_rows[rank] * row_numel * itemsize
                 buf = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
                 header = buf[:_HEADER].view(torch.int64)
@@ -298,7 +295,7 @@ class Transport:
             peers = {r: mapping(r) for r in self.colocated if r != self.rank}
             self.fence()
             # Mapped everywhere: unlink now, so nothing is left behind if a worker dies later.
-            (self._dir / f"{name}.{self.rank}").unlink()
+            Path(f"{self._prefix}.{name}.{self.rank}").unlink()
             region = Region(self, name, all_rows, row_shape, dtype, local, header, peers)
         self._regions[name] = region
         return region

@@ -53,13 +53,18 @@ def _one_sided(rank, world):
         t.write(region, torch.tensor([0]), 0, torch.zeros(1, 4))
     except TransportError as e:
         errors.append(str(e))
-    return region.local.clone(), writers, errors
+    return region.local.clone(), writers, errors, t._prefix
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_sided_read_and_write_through_shared_memory(world):
+    import glob
+
     results = distutil.run(_one_sided, world, timeout=180)
-    for rank, (local, writers, errors) in enumerate(results):
+    # Every shared-memory file was unlinked once mapped: nothing is left in /dev/shm.
+    assert results[0][3].startswith("/dev/shm/ngra-transport-")
+    assert glob.glob(results[0][3] + "*") == []
+    for rank, (local, writers, errors, _) in enumerate(results):
         want = _value(rank, _rows(rank))
         if writers:  # the last writer to row 0 wins; every writer wrote -(its rank + 1)
             assert float(local[0, 0]) in [-(w + 1.0) for w in writers]
