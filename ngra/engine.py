@@ -98,7 +98,7 @@ from . import profile
 from .executor import EdgeRandom, GraphOps, eval_node
 from .graph import Graph
 from .ir import IR, Node, map_nodes
-from .passes import is_pure, row_mixing
+from .passes import is_pure, mixing_reason
 
 __all__ = ["Engine", "current_engine", "StreamPlan", "TensorMemory"]
 
@@ -1051,11 +1051,7 @@ def _check_rowwise(program, plan: StreamPlan, p: int) -> None:
     else than in memory. (The edge softmax and the Gather are per destination, complete within a
     column.)"""
     for n in plan.edge:
-        if not n.op.startswith("call_"):
-            continue
-        reason = row_mixing(n)
-        if reason is None and n.domain == "global":
-            reason = f"its value {list(n.shape or ())} has no row per edge"
+        reason = mixing_reason(n, "edge")
         if reason is None:
             continue
         where = f" at {n.source}" if n.source else ""

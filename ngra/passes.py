@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .ir import IR, Node, function_name, map_nodes
 
-__all__ = ["dce", "cse", "lift", "fuse", "optimize", "PASSES", "row_mixing"]
+__all__ = ["dce", "cse", "lift", "fuse", "optimize", "PASSES", "row_mixing", "mixing_reason"]
 
 # --- purity -------------------------------------------------------------------------------------
 _RANDOM = {"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d",
@@ -257,6 +257,18 @@ def _index_problem(n: Node, x: Node, idx) -> str | None:
         if used < (xdim or 0):
             return None
     return "selects or reorders rows (an index over dim 0)"
+
+
+def mixing_reason(n: Node, rows: str) -> str | None:
+    """Why call node ``n`` cannot run on a subset of the rows (one column of a streamed graph, one
+    worker's piece): :func:`row_mixing`, or a ``global`` value, which has no row per ``rows``
+    ("edge", "vertex or edge") at all. None for other ops and for row-wise calls."""
+    if not n.op.startswith("call_"):
+        return None
+    reason = row_mixing(n)
+    if reason is None and n.domain == "global":
+        reason = f"its value {list(n.shape or ())} has no row per {rows}"
+    return reason
 
 
 def row_mixing(n: Node) -> str | None:

@@ -9,7 +9,6 @@ downloads of the same file must match that record.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -22,7 +21,7 @@ from typing import Callable, BinaryIO
 
 from tqdm.auto import tqdm
 
-from ._record import PINNED_SHA256, ChecksumError, default_root
+from ._record import PINNED_SHA256, ChecksumError, default_root, sha256_file
 from .npz import NPZ_FILES
 from .ogb import OGB_NODE
 from .planetoid import PLANETOID_NAMES, planetoid_files
@@ -83,7 +82,7 @@ def download(name: str, root=None, *, mirror: str | None = None,
         done = root / remote.unzip_to if remote.unzip_to else dest
         expected = remote.sha256 or records.get(remote.path)
         if done.exists() and not force:
-            got = _sha256(dest) if remote.unzip_to is None and expected is not None else expected
+            got = sha256_file(dest) if remote.unzip_to is None and expected is not None else expected
             if got != expected:
                 raise ChecksumError(
                     f"{dest}: SHA-256 {got} does not match the expected {expected}; the file is "
@@ -99,7 +98,7 @@ def download(name: str, root=None, *, mirror: str | None = None,
                     fetch(url, out)
                 except OSError as e:
                     raise OSError(f"could not fetch {url}: {e}") from e
-            got = _sha256(Path(tmp))
+            got = sha256_file(Path(tmp))
             if expected is not None and got != expected:
                 raise ChecksumError(
                     f"{url}: SHA-256 {got} does not match the expected {expected}; the download is corrupt "
@@ -128,14 +127,6 @@ def _urllib_fetch(url: str, out: BinaryIO) -> None:
             while chunk := response.read(1 << 20):
                 out.write(chunk)
                 bar.update(len(chunk))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _read_records(root: Path) -> dict[str, str]:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..executor import GraphOps
 from ..graph import Graph
-from ..passes import row_mixing
+from ..passes import mixing_reason
 from .transport import Transport, TransportError
 
 __all__ = ["DistGraph", "partition", "sync_gradients", "PARTITION_METHODS"]
@@ -95,7 +95,6 @@ class _Halo:
         self.n = n
         self.need = need
         self.plans: dict = {}
-        self.bytes_pulled = 0  # since creation, for benchmarks
 
     def plan(self, row_shape: tuple, dtype: torch.dtype):
         key = (row_shape, dtype)
@@ -116,7 +115,6 @@ class _HaloExchange(torch.autograd.Function):
         plan = halo.plan(tuple(x.shape[1:]), x.dtype)
         plan.region.set(x.detach())
         recv = plan.pull()
-        halo.bytes_pulled += plan.bytes_received
         ctx.halo, ctx.plan = halo, plan
         return torch.cat([x, recv], 0)
 
@@ -172,11 +170,9 @@ def _check_distributable(program) -> None:
             "row by row, which running on a DistGraph needs; make it traceable (no Python control "
             "flow on tensor values) or run it on the whole graph")
     for n in program.ir.nodes:
-        if not n.op.startswith("call_") or n.domain not in ("vertex", "edge", "global"):
+        if n.domain not in ("vertex", "edge", "global"):
             continue
-        reason = row_mixing(n)
-        if reason is None and n.domain == "global":
-            reason = f"its value {list(n.shape or ())} has no row per vertex or edge"
+        reason = mixing_reason(n, "vertex or edge")
         if reason is None:
             continue
         at = f" at {n.source}" if getattr(n, "source", None) else ""
@@ -270,11 +266,6 @@ class DistGraph(Graph):
     @property
     def transport(self) -> Transport:
         return self._halo.transport
-
-    @property
-    def halo_bytes_pulled(self) -> int:
-        """Bytes of halo rows this worker received so far (all layers, forward only)."""
-        return self._halo.bytes_pulled
 
     def exchange_stats(self) -> dict:
         """Totals over this piece's exchange plans so far: ``pulls``, ``pushes``, seconds

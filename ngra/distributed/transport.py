@@ -448,6 +448,10 @@ class ExchangePlan:
         self._recv_counts = counts.tolist()
         shape = region.row_shape
         self.recv = torch.empty((int(counts.sum()), *shape), dtype=region.dtype, device=t.device)
+        # Bytes one pull brings from / sends to other workers (not this one's own rows).
+        row_bytes = math.prod(shape) * self.recv.element_size()
+        self._foreign_recv = row_bytes * (sum(self._recv_counts) - self._recv_counts[t.rank])
+        self._foreign_send = row_bytes * (sum(self._send_counts) - self._send_counts[t.rank])
         self._need_dev = [n.to(t.device) for n in self.need]
         self._checked = False
         self._outbox = None
@@ -508,18 +512,17 @@ class ExchangePlan:
             torch.index_select(self.region.local, 0, self._serve_ids, out=self._send)
             t._collective(f"pull({self.region.name!r})", t._exchange, self.recv, self._send,
                           self._recv_counts, self._send_counts)
-        st = self.stats
-        st["pulls"] += 1
-        st["pull_s"] += time.perf_counter() - start
-        st["cpu_s"] += time.process_time() - cpu
-        st["bytes_in"] += self._foreign_bytes(self._recv_counts)
-        st["bytes_out"] += self._foreign_bytes(self._send_counts)
+        self._account("pulls", "pull_s", start, cpu, self._foreign_recv, self._foreign_send)
         return self.recv
 
-    def _foreign_bytes(self, counts: list) -> int:
-        """Bytes of ``counts`` rows that cross to or from another worker (not this one)."""
-        rows = sum(c for p, c in enumerate(counts) if p != self.transport.rank)
-        return rows * self.recv[0:1].numel() * self.recv.element_size() if rows else 0
+    def _account(self, calls: str, seconds: str, start: float, cpu: float, bytes_in: int,
+                 bytes_out: int) -> None:
+        st = self.stats
+        st[calls] += 1
+        st[seconds] += time.perf_counter() - start
+        st["cpu_s"] += time.process_time() - cpu
+        st["bytes_in"] += bytes_in
+        st["bytes_out"] += bytes_out
 
     def push_add(self, grad: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
         """Collective, the reverse of :meth:`pull`: ``grad`` [rows of recv, *row_shape] holds a
@@ -553,10 +556,6 @@ class ExchangePlan:
             t._collective(f"push_add({self.region.name!r})", t._exchange, back,
                           grad.contiguous(), self._send_counts, self._recv_counts)
             into.index_add_(0, self._serve_ids.to(into.device), back)
-        st = self.stats
-        st["pushes"] += 1
-        st["push_s"] += time.perf_counter() - start
-        st["cpu_s"] += time.process_time() - cpu
-        st["bytes_out"] += self._foreign_bytes(self._recv_counts)
-        st["bytes_in"] += self._foreign_bytes(self._send_counts)
+        # The reverse of a pull: the received rows' gradients go out, the served rows' come in.
+        self._account("pushes", "push_s", start, cpu, self._foreign_send, self._foreign_recv)
         return into
