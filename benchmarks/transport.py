@@ -257,7 +257,7 @@ def _parse_size(ap, text: str) -> int:
 
 def _report(results, sizes, methods) -> None:
     for title, cell in (("median time per transfer (us)", lambda s, sec: f"{sec * 1e6:.1f}"),
-                        ("bandwidth (GB/s)", lambda s, sec: f"{s / sec / 1e9:.3f}")):
+                        ("bandwidth (GB/s)", lambda s, sec: f"{s / sec / 1e9:.3g}")):
         head = f"{'size':>8} | " + " | ".join(f"{m:>18}" for m in methods)
         print(f"\n{title}")
         print(head)
