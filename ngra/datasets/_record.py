@@ -41,6 +41,8 @@ PINNED_SHA256 = {
     "planetoid/cora/ind.cora.ty": "41f5ac76596a1699cc33f53084a2419e92961c42bb75f36fc38e616d348532ad",
     "planetoid/cora/ind.cora.x": "23cfa55d91c6f624233f5eb7b6e3f141f1bd2b2ae39608a63cf5d084bb27baab",
     "planetoid/cora/ind.cora.y": "94465c14eb53e04ca262198dcbb2521ee8af60fb3f3d546cd6ca24a511b0e7d1",
+    # karpathy/char-rnn @ 6f9487a6, data/tinyshakespeare/input.txt
+    "text/tinyshakespeare.txt": "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
 }
 
 
