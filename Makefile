@@ -50,7 +50,7 @@ $(VENV)/.ngra-env: pyproject.toml Makefile
 	$(call check_python,$(VENV),3.10,4.0)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/$(PIP) $(TORCH_PIP_ARGS) "torch==$(TORCH)"
-	$(VENV)/bin/$(PIP) $(TORCH_PIP_ARGS) "torch==$(TORCH)" -e ".[test,partition,plot,pyg]"
+	$(VENV)/bin/$(PIP) $(TORCH_PIP_ARGS) "torch==$(TORCH)" -e ".[test,partition,plot,schedule,pyg]"
 	@touch $@
 
 # The PyPI torch 2.2.1 wheel is a CUDA build that pulls about 2.5 GB of nvidia-* libraries; on a
@@ -60,7 +60,7 @@ $(DGL_VENV)/.ngra-env: pyproject.toml Makefile
 	$(call check_python,$(DGL_VENV),3.10,3.13)
 	$(PYTHON) -m venv $(DGL_VENV)
 	$(DGL_VENV)/bin/$(PIP) "torch==$(DGL_TORCH)"
-	$(DGL_VENV)/bin/$(PIP) "torch==$(DGL_TORCH)" -e ".[test,partition,plot,pyg,dgl]"
+	$(DGL_VENV)/bin/$(PIP) "torch==$(DGL_TORCH)" -e ".[test,partition,plot,schedule,pyg,dgl]"
 	@touch $@
 
 # torch-scatter is on PyPI only as source: it compiles against the torch already in .venv (no
