@@ -16,8 +16,9 @@ from .gated import GatedGCNConv, GGNNConv
 from .gcn import GCNConv
 from .gin import GINConv
 from .models import MODELS, GNN, build_model
+from .moe import MoE, MoEConv
 from .rgcn import RGCNConv
 from .sage import SAGEConv
 
 __all__ = ["GCNConv", "SAGEConv", "GATConv", "GINConv", "GatedGCNConv", "GGNNConv", "RGCNConv",
-           "CommNetConv", "GNN", "MODELS", "build_model"]
+           "CommNetConv", "MoE", "MoEConv", "GNN", "MODELS", "build_model"]
