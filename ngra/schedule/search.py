@@ -257,11 +257,12 @@ def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float = 10
     load = max((sum(int(t.duration) for t in types if d in t.devices) * r
                 for d in range(p.n_devices)), default=1)
     upper = int(sum(t.duration for t in types) * r + p.comm_delay * len(types) * r)
-    for period in range(load, upper + 1):
+
+    def attempt(period):
         left = timeout_s - (time.monotonic() - t0)
         if left <= 0.01:
-            raise TimeoutError(f"no repetend found within {timeout_s:g} s (tried periods "
-                               f"{load}..{period - 1}); expected a larger timeout_s")
+            raise TimeoutError(f"no repetend found within {timeout_s:g} s (period "
+                               f"{period} open); expected a larger timeout_s")
         solver = z3.Solver()
         solver.set("timeout", max(1, int(left * 1000)))
         o = {k: z3.Int(f"o_{k[0]}_{k[1]}") for k in keys}
@@ -310,37 +311,56 @@ def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float = 10
         if res == z3.unknown:
             raise TimeoutError(f"the solver gave up at period {period} within {timeout_s:g} s; "
                                f"expected a larger timeout_s")
-        if res == z3.unsat:
-            continue
-        # Shallowest repetend at this period: lower the largest offset while satisfiable.
-        model = solver.model()
-        while True:
-            cur = max(model.eval(o[k]).as_long() for k in keys)
-            left = timeout_s - (time.monotonic() - t0)
-            if cur == 0 or left <= 0.01:
-                break
-            solver.push()
-            solver.set("timeout", max(1, int(left * 1000)))
-            solver.add(z3.And([o[k] <= cur - 1 for k in keys]))
-            if solver.check() != z3.sat:
-                solver.pop()
-                break
-            model = solver.model()
+        return (solver, o, t) if res == z3.sat else None
+
+    # Feasibility is monotone in the period (a longer period keeps every constraint: offsets
+    # only grow dependencies' slack, and the modular non-overlap keeps its gaps), so bisect:
+    # first the lower bound itself (often the answer), then halve [lo, hi].
+    found = attempt(load)
+    period = load
+    if found is None:
+        hi_found = attempt(upper)
+        if hi_found is None:
+            raise ScheduleError(f"no repetend of {r} micro-batch(es) fits the memory limit "
+                                f"{p.memory_limit}; expected a larger limit")
+        lo, hi = load + 1, upper
+        found = hi_found
+        while lo < hi:
+            mid = (lo + hi) // 2
+            got = attempt(mid)
+            if got is None:
+                lo = mid + 1
+            else:
+                hi, found = mid, got
+        period = hi
+    solver, o, t = found
+    # Shallowest repetend at this period: lower the largest offset while satisfiable.
+    model = solver.model()
+    while True:
+        cur = max(model.eval(o[k]).as_long() for k in keys)
+        left = timeout_s - (time.monotonic() - t0)
+        if cur == 0 or left <= 0.01:
+            break
+        solver.push()
+        solver.set("timeout", max(1, int(left * 1000)))
+        solver.add(z3.And([o[k] <= cur - 1 for k in keys]))
+        if solver.check() != z3.sat:
             solver.pop()
-        off = {k: model.eval(o[k]).as_long() for k in keys}
-        tim = {k: model.eval(t[k]).as_long() for k in keys}
-        peaks = []
-        for d in range(p.n_devices):
-            on = sorted((k for k in keys if d in blk[k[0]].devices), key=lambda k: tim[k])
-            run = p.base_memory[d] - sum(off[k] * blk[k[0]].memory for k in on)
-            peak = run
-            for k in on:
-                run += blk[k[0]].memory
-                peak = max(peak, run)
-            peaks.append(peak)
-        return Repetend(period, r, off, tim, tuple(peaks), time.monotonic() - t0)
-    raise ScheduleError(f"no repetend of {r} micro-batch(es) fits the memory limit "
-                        f"{p.memory_limit}; expected a larger limit")
+            break
+        model = solver.model()
+        solver.pop()
+    off = {k: model.eval(o[k]).as_long() for k in keys}
+    tim = {k: model.eval(t[k]).as_long() for k in keys}
+    peaks = []
+    for d in range(p.n_devices):
+        on = sorted((k for k in keys if d in blk[k[0]].devices), key=lambda k: tim[k])
+        run = p.base_memory[d] - sum(off[k] * blk[k[0]].memory for k in on)
+        peak = run
+        for k in on:
+            run += blk[k[0]].memory
+            peak = max(peak, run)
+        peaks.append(peak)
+    return Repetend(period, r, off, tim, tuple(peaks), time.monotonic() - t0)
 
 
 def unroll(problem: Problem, rep: Repetend) -> Schedule:
@@ -407,20 +427,22 @@ def tessel(problem: Problem, *, instances=(1, 2), timeout_s: float = 20.0,
     t0 = time.monotonic()
     _, _, m = _template(problem)
     best = None
+    reasons = []
     for r in instances:
         if r > m:
             continue
         try:
             rep = find_repetend(problem, instances=r, timeout_s=timeout_s)
-        except (ScheduleError, TimeoutError):
+        except (ScheduleError, TimeoutError) as e:
+            reasons.append(f"{r} per period: {e}")
             continue
         sched = unroll(problem, rep)
         key = (sched.makespan, rep.time_per_micro_batch)
         if best is None or key < best[0]:
             best = (key, rep, sched)
     if best is None:
-        raise ScheduleError(f"no repetend fits the memory limit {problem.memory_limit} "
-                            f"with {list(instances)} micro-batches per period")
+        raise ScheduleError(f"no repetend found with {list(instances)} micro-batches per "
+                            f"period: {'; '.join(reasons)}")
     _, rep, unrolled = best
     t1 = time.monotonic()
     fixed = _steady_pairs(problem, rep, unrolled)
