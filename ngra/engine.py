@@ -72,6 +72,17 @@ Where the columns come from
 Columns of in-memory graphs (their CSR, and the transposed CSR the kernels cache on it in
 backward) are prepared by the first calls and cached by the engine, as the graph caches its own
 CSR; graphs with equal edge lists share them. A store's columns are never kept.
+
+What streams, and what P is
+---------------------------
+An edge part that mixes rows across edges (batch norm in training, softmax / norm / cumsum /
+flip / mean over dim 0, random draws other than dropout) would see only one column's edges, so
+it is refused with an error naming the op and its source line (:func:`_check_rowwise`); such a
+layer runs correctly in memory. Edge dropout streams: an edge's mask is a hash of the call's seed
+and its global edge id (``executor.edge_dropout``), so results do not depend on P. Under
+``memory_budget``, P is the smallest number of intervals whose :meth:`Engine.estimate` (one
+column's edge-level working set, with the bytes per edge measured on a small probe graph) fits
+the budget.
 """
 
 from __future__ import annotations

@@ -6,6 +6,17 @@
 - :mod:`ngra.distributed.graph`: a worker's piece of a partitioned graph (:class:`DistGraph`),
   on which every vertex program runs unchanged with a halo exchange where values cross
   Scatter; :func:`partition` (contiguous, METIS, random) and :func:`sync_gradients`.
+- :mod:`ngra.distributed.launch`: starting workers under ``torchrun`` or from ``ngra train
+  --workers K`` (torch's elastic launcher).
+
+Every zoo model's outputs, loss and parameter gradients equal the single-process run (tested on
+1-4 workers, with random / contiguous / METIS partitions, a worker without vertices and one
+without in-edges). Layers that mix rows across vertices or edges (batch norm in training, dim-0
+reductions) are refused on a ``DistGraph``; dropout masks depend on the partition (a piece
+numbers its rows locally). Not supported yet: checkpoints and resume with several workers, a
+streaming engine inside a worker, NGra's ring chunk sharing, overlapping the exchange with
+compute, and reading pieces from a chunk store (every worker reads the whole graph to cut its
+piece).
 """
 
 from .graph import PARTITION_METHODS, DistGraph, partition, sync_gradients
