@@ -102,7 +102,7 @@ def reference_step(cfg: ExecConfig):
     model, idx, tgt = make_model(cfg)
     _, loss = model(idx, tgt)
     loss.backward()
-    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _parse(name: str):
@@ -142,7 +142,6 @@ def pipeline_worker(rank: int, world: int, cfg: ExecConfig) -> ExecResult:
             if s not in mine:
                 raise ValueError(f"block {name} is in rank {rank}'s order but stage {s} is on "
                                  f"device {cfg.stage_devices[s]}")
-            tb = time.perf_counter()
             if kind == "F":
                 if s == 0:
                     x = xs[i]
@@ -152,11 +151,12 @@ def pipeline_worker(rank: int, world: int, cfg: ExecConfig) -> ExecResult:
                     x = torch.empty(shape)
                     dist.recv(x, src=cfg.stage_devices[s - 1], tag=2 * ((s - 1) * m + i))
                     x.requires_grad_()
+                tb = time.perf_counter()  # compute only: waiting for a message is not work
                 out = stages[s](x)
                 inputs[s, i] = x
                 if s == n_stages - 1:
                     out = F.cross_entropy(out.flatten(0, 1), ys[i].flatten()) / m
-                    loss_total += float(out)
+                    loss_total += float(out.detach())
                 elif cfg.stage_devices[s + 1] == rank:
                     local["act", s + 1, i] = out
                 else:
@@ -166,6 +166,7 @@ def pipeline_worker(rank: int, world: int, cfg: ExecConfig) -> ExecResult:
             else:
                 out = outputs.pop((s, i))
                 if s == n_stages - 1:
+                    tb = time.perf_counter()
                     out.backward()
                 else:
                     if cfg.stage_devices[s + 1] == rank:
@@ -173,6 +174,7 @@ def pipeline_worker(rank: int, world: int, cfg: ExecConfig) -> ExecResult:
                     else:
                         g = torch.empty(shape)
                         dist.recv(g, src=cfg.stage_devices[s + 1], tag=2 * (s * m + i) + 1)
+                    tb = time.perf_counter()
                     out.backward(g)
                 x = inputs.pop((s, i))
                 if s > 0:
@@ -216,47 +218,47 @@ def measured_problem(results, cfg: ExecConfig, *, resolution: float = 1e-4):
 
 def spawn(fn, world: int, *args, timeout: float = 300.0) -> list:
     """``[fn(rank, world, *args)]`` on ``world`` fresh processes joined by gloo over a FileStore
-    (for the benchmark; tests use tests/ngra/distributed/distutil.py). Kills every worker and
-    raises if one fails or the whole run exceeds ``timeout`` seconds."""
+    (for the benchmark; tests use tests/ngra/distributed/distutil.py). Each result comes back as a
+    pickle file (a queue would share tensors through file descriptors that die with the worker).
+    Kills every worker and raises if one fails or the run exceeds ``timeout`` seconds."""
     import multiprocessing as mp
+    import pickle
     import tempfile
+    from pathlib import Path
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="ngra-sched-") as folder:
-        q = ctx.Queue()
-        procs = [ctx.Process(target=_spawned, args=(fn, r, world, folder, q, args), daemon=True)
+        procs = [ctx.Process(target=_spawned, args=(fn, r, world, folder, args), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
-        out: dict = {}
         deadline = time.monotonic() + timeout
-        try:
-            while len(out) < world:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"workers did not finish within {timeout:g} s (got "
-                                       f"{sorted(out)} of {world})")
-                try:
-                    r, status, value = q.get(timeout=min(left, 1.0))
-                except Exception:  # queue.Empty: check for dead workers
-                    dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in out]
-                    if dead:
-                        raise RuntimeError(f"worker(s) {dead} died without reporting")
-                    continue
-                if status != "ok":
-                    raise RuntimeError(f"worker {r} raised:\n{value}")
-                out[r] = value
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
                 p.join(5)
-        return [out[r] for r in range(world)]
+        if hung:
+            raise TimeoutError(f"worker(s) {hung} did not finish within {timeout:g} s (killed)")
+        out = []
+        for r in range(world):
+            path = Path(folder) / f"result.{r}"
+            if not path.exists():
+                raise RuntimeError(f"worker {r} died (exit status {procs[r].exitcode}) "
+                                   f"before reporting")
+            status, value = pickle.loads(path.read_bytes())
+            if status != "ok":
+                raise RuntimeError(f"worker {r} raised:\n{value}")
+            out.append(value)
+        return out
 
 
-def _spawned(fn, rank, world, folder, q, args):
+def _spawned(fn, rank, world, folder, args):
     import datetime
     import os
+    import pickle
     import traceback
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -266,9 +268,12 @@ def _spawned(fn, rank, world, folder, q, args):
     try:
         dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
-        q.put((rank, "ok", fn(rank, world, *args)))
+        payload = ("ok", fn(rank, world, *args))
     except BaseException:  # noqa: BLE001 - reported to the parent
-        q.put((rank, "error", traceback.format_exc()))
-    q.close()
-    q.join_thread()
+        payload = ("error", traceback.format_exc())
+    tmp = os.path.join(folder, f"result.{rank}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(pickle.dumps(payload))
+    os.rename(tmp, os.path.join(folder, f"result.{rank}"))
+    # No process-group teardown: it waits for peers that may already be gone.
     os._exit(0)
