@@ -169,14 +169,14 @@ class FusedAdam(torch.optim.Optimizer):
                  betas: tuple = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, *,
                  amsgrad: bool = False, decoupled_weight_decay: bool = False,
                  reduce_scatter: str = "auto", profile: bool = False):
-        if not isinstance(ddp_model, DistributedDataParallel):
-            raise TypeError("FusedAdam: expected a torch.nn.parallel.DistributedDataParallel "
-                            f"model (got {type(ddp_model).__name__}); wrap the module with "
-                            "DistributedDataParallel(module) after init_process_group")
         _check_hyper(lr, betas, eps, weight_decay)
         if reduce_scatter not in REDUCE_SCATTER_MODES:
             raise ValueError(f"FusedAdam: reduce_scatter must be one of {REDUCE_SCATTER_MODES} "
                              f"(got {reduce_scatter!r})")
+        if not isinstance(ddp_model, DistributedDataParallel):
+            raise TypeError("FusedAdam: expected a torch.nn.parallel.DistributedDataParallel "
+                            f"model (got {type(ddp_model).__name__}); wrap the module with "
+                            "DistributedDataParallel(module) after init_process_group")
         params = list(ddp_model.module.parameters())
         if not any(p.requires_grad for p in params):
             raise ValueError("FusedAdam: the model has no parameter with requires_grad=True "
@@ -384,7 +384,8 @@ class FusedAdam(torch.optim.Optimizer):
                     "FusedAdam: a second backward pass through the DDP model ran before step() "
                     "(expected step() after each backward); the Adam update is computed during "
                     "backward, so accumulate micro-batches inside ddp_model.no_sync() and call "
-                    "step() after the last backward")
+                    "step() after the last backward (DDP's reducer cannot go on after this "
+                    "error: restart from a checkpoint)")
             if self._phase == "backward":  # an earlier backward was interrupted: drop it
                 self._drain(block=True)
             self._gathers, self._waiters = [], []
@@ -430,8 +431,9 @@ class FusedAdam(torch.optim.Optimizer):
                 col += s
             dtypes = {p.dtype for p in params}
             if len(dtypes) != 1:
-                raise RuntimeError(f"FusedAdam: a DDP bucket mixes dtypes {sorted(map(str, dtypes))}"
-                                   " (expected one; DDP buckets by dtype)")
+                raise RuntimeError("FusedAdam: a DDP bucket mixes dtypes "
+                                   f"{sorted(map(str, dtypes))} (expected one; DDP buckets by "
+                                   "dtype)")
             layout = self._layouts[key] = _Layout(slots, col, dtypes.pop())
         return layout
 

@@ -1,12 +1,18 @@
 """FusedAdam (reduce-scatter, Adam on a shard, all-gather in a DDP comm hook) trains exactly as
 DDP + torch.optim.Adam: on 2, 3 and 4 real gloo processes, after several steps every parameter
-equals the unfused run (float64: to 1e-12; float32 with 2 ranks: bit for bit), with parameter
-sizes not divisible by the number of ranks, a parameter no rank uses, a parameter only some ranks
-use, a frozen parameter, one bucket per parameter, weight decay (L2 and AdamW), amsgrad, and the
-three reduce-scatter implementations; the optimizer state is 1/K per rank, its state dicts round-
-trip (also through torch.optim.Adam), and misuse fails with a message saying what to do."""
+equals the unfused run (float32 with 2 ranks: bit for bit; float64: to 1e-12), with parameter
+sizes not divisible by the number of ranks, a parameter no rank uses, one only some ranks use, a
+frozen parameter, one bucket per parameter, DDP's bucket rebuild after the first iteration,
+weight decay (L2 and AdamW), amsgrad and the three reduce-scatter implementations. The optimizer
+state is 1/K per rank, its state dicts round-trip (also to and from torch.optim.Adam), and misuse
+fails with a message that says what to do.
+
+Each world size is one spawn of K workers running several scenarios (starting K interpreters and
+DDP's first import cost seconds each on this 2-core machine)."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -17,103 +23,271 @@ STEPS = 4
 
 
 class _Net(torch.nn.Module):
-    """Sizes prime to 2, 3 and 4 (35, 5, 15, 3 elements), a branch used by some ranks only
-    (``some``), one no rank uses (``never``) and a frozen parameter."""
+    """Sizes prime to 2, 3 and 4 (35, 5, 15, 3, 9, 6, 2 elements), a frozen parameter, and with
+    ``partial``: a branch some ranks use (``some``) and one no rank uses (``never``)."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, partial=True):
         super().__init__()
         torch.manual_seed(0)
+        self.partial = partial
+        self.frozen = torch.nn.Parameter(torch.randn(3, dtype=dtype), requires_grad=False)
         self.a = torch.nn.Linear(7, 5).to(dtype)
         self.b = torch.nn.Linear(5, 3).to(dtype)
         self.some = torch.nn.Linear(3, 3).to(dtype)
         self.never = torch.nn.Linear(3, 2).to(dtype)
-        self.frozen = torch.nn.Parameter(torch.randn(3, dtype=dtype), requires_grad=False)
 
     def forward(self, x, use_some):
         h = self.b(torch.tanh(self.a(x))) * self.frozen
+        if not self.partial:  # everything used: DDP rebuilds its buckets after iteration 1
+            return self.some(h) + self.never(h).sum(1, keepdim=True)
         return self.some(h) if use_some else h
 
 
 def _data(rank, step, dtype):
     gen = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(6, 7, generator=gen, dtype=dtype), torch.randn(6, 3, generator=gen,
-                                                                         dtype=dtype)
+    return (torch.randn(6, 7, generator=gen, dtype=dtype),
+            torch.randn(6, 3, generator=gen, dtype=dtype))
 
 
-def _train(rank, world, fused, dtype, steps, opt_kw, ddp_kw, mode="auto", check=None):
-    """Parameters after ``steps`` steps, and (fused) the optimizer."""
+def _setup(fused, dtype, opt_kw, ddp_kw, partial=True, mode="auto"):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ngra.distributed.fused import FusedAdam
 
-    model = DDP(_Net(dtype), find_unused_parameters=True, **ddp_kw)
+    model = DDP(_Net(dtype, partial), find_unused_parameters=partial, **ddp_kw)
     if fused:
-        opt = FusedAdam(model, reduce_scatter=mode, **opt_kw)
-    else:
-        kw = dict(opt_kw)
-        cls = torch.optim.AdamW if kw.pop("decoupled_weight_decay", False) else torch.optim.Adam
-        opt = cls(model.parameters(), **kw)
-    for step in range(steps):
+        return model, FusedAdam(model, reduce_scatter=mode, profile=True, **opt_kw)
+    kw = dict(opt_kw)
+    cls = torch.optim.AdamW if kw.pop("decoupled_weight_decay", False) else torch.optim.Adam
+    return model, cls(model.parameters(), **kw)
+
+
+def _run(rank, model, opt, steps, start=0, dtype=torch.float64):
+    for step in range(start, start + steps):
         x, y = _data(rank, step, dtype)
         # `some` is used by rank 1 only on odd steps, and by every rank on step 2.
         use = (rank == 1 and step % 2 == 1) or step == 2
-        loss = ((model(x, use) - y) ** 2).mean()
-        loss.backward()
+        ((model(x, use) - y) ** 2).mean().backward()
         opt.step()
         opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.module.named_parameters()}, opt
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
 
 
-def _equivalence(rank, world, dtype, opt_kw, ddp_kw, mode):
-    ref, _ = _train(rank, world, False, dtype, STEPS, opt_kw, ddp_kw)
-    got, opt = _train(rank, world, True, dtype, STEPS, opt_kw, ddp_kw, mode)
-    names = [n for n, _ in model_names(dtype)]
-    return ref, got, opt.reduce_scatter_mode, opt.state_bytes(), dict(zip(names, opt._steps))
+def _equivalence(rank, dtype, opt_kw, ddp_kw, partial=True, mode="auto"):
+    ref = _run(rank, *_setup(False, dtype, opt_kw, ddp_kw, partial), STEPS, dtype=dtype)
+    model, opt = _setup(True, dtype, opt_kw, ddp_kw, partial, mode)
+    got = _run(rank, model, opt, STEPS, dtype=dtype)
+    names = [n for n, _ in model.module.named_parameters()]
+    return {"ref": ref, "got": got, "mode": opt.reduce_scatter_mode, "bytes": opt.state_bytes(),
+            "steps": dict(zip(names, opt._steps)), "layouts": len(opt._layouts),
+            "buckets": [len(s["hooks"]) for s in opt.stats]}
 
 
-def model_names(dtype):
-    return list(_Net(dtype).named_parameters())
+def _state_dicts(rank, world):
+    """Round trips after 2 of 4 steps: this rank's shard into a new FusedAdam; the gathered
+    full state dict against torch.optim.Adam's; Adam's state dict into FusedAdam and back."""
+    f64, kw = torch.float64, {"lr": 0.05, "weight_decay": 0.01}
+    out = {}
+    model, adam = _setup(False, f64, kw, {})
+    _run(rank, model, adam, 2)
+    # Copies: state_dict() returns the live tensors, which the next steps change in place.
+    adam_sd, adam_params = copy.deepcopy(adam.state_dict()), _copy(model.module.state_dict())
+    out["ref"] = _run(rank, model, adam, 2, start=2)
+    model, opt = _setup(True, f64, kw, {})
+    _run(rank, model, opt, 2)
+    full = opt.full_state_dict()
+    out["full"] = {n: copy.deepcopy(full["state"].get(i)) for i, (n, _) in
+                   enumerate(model.module.named_parameters())}
+    out["adam"] = {n: adam_sd["state"].get(i) for i, (n, _) in
+                   enumerate(model.module.named_parameters())}
+    shard, params = opt.state_dict(), _copy(model.module.state_dict())
+    out["continued"] = _run(rank, model, opt, 2, start=2)
+    # The shard into a fresh FusedAdam on a fresh model with the parameters after 2 steps.
+    model, opt = _setup(True, f64, kw, {})
+    model.module.load_state_dict(params)
+    opt.load_state_dict(shard)
+    out["from_shard"] = _run(rank, model, opt, 2, start=2)
+    # torch.optim.Adam's state dict into FusedAdam.
+    model, opt = _setup(True, f64, kw, {})
+    model.module.load_state_dict(adam_params)
+    opt.load_state_dict(adam_sd)
+    out["from_adam"] = _run(rank, model, opt, 2, start=2)
+    # FusedAdam's full state dict into torch.optim.Adam.
+    model, adam = _setup(False, f64, kw, {})
+    model.module.load_state_dict(params)
+    adam.load_state_dict(full)
+    out["to_adam"] = _run(rank, model, adam, 2, start=2)
+    try:
+        bad = dict(shard, rank=(rank + 1) % world)
+        opt.load_state_dict(bad)
+    except ValueError as e:
+        out["wrong_rank"] = str(e)
+    return out
 
 
-def _assert_same(ref, got, exact, rtol=1e-12):
+def _copy(sd):
+    return {k: v.clone() for k, v in sd.items()}
+
+
+def _misuse(rank, world):
+    """Errors, in the order a user meets them; the last one breaks DDP's reducer (documented),
+    so it comes last."""
+    from ngra.distributed.fused import FusedAdam
+
+    errors = {}
+    model, opt = _setup(True, torch.float64, {"lr": 0.1}, {})
+    for name, fn in (("step_first", opt.step),
+                     ("second_hook", lambda: FusedAdam(model)),
+                     ("add_group", lambda: opt.add_param_group({"params": []}))):
+        try:
+            fn()
+        except (RuntimeError, ValueError) as e:
+            errors[name] = str(e)
+    x, y = _data(rank, 0, torch.float64)
+    ((model(x, False) - y) ** 2).mean().backward()
+    try:
+        opt.full_state_dict()
+    except RuntimeError as e:
+        errors["state_in_flight"] = str(e)
+    try:
+        ((model(x, False) - y) ** 2).mean().backward()
+    except RuntimeError as e:
+        errors["two_backwards"] = str(e)
+    return errors
+
+
+def _world2(rank, world):
+    out = {"f32": _equivalence(rank, torch.float32, {"lr": 0.05}, {})}
+    out["f64_buckets"] = _equivalence(rank, torch.float64, {"lr": 0.05, "weight_decay": 0.1},
+                                      {"bucket_cap_mb": 1e-4}, partial=False)
+    out["misuse"] = _misuse(rank, world)
+    return out
+
+
+def _world3(rank, world):
+    out = {"wd_buckets": _equivalence(rank, torch.float64, {"lr": 0.05, "weight_decay": 0.1},
+                                      {"bucket_cap_mb": 1e-4}),
+           "adamw_all_reduce": _equivalence(
+               rank, torch.float64, {"lr": 0.05, "weight_decay": 0.1,
+                                     "decoupled_weight_decay": True}, {}, mode="all_reduce")}
+    out["state_dicts"] = _state_dicts(rank, world)
+    return out
+
+
+def _world4(rank, world):
+    return {"amsgrad_all_to_all": _equivalence(
+                rank, torch.float64, {"lr": 0.05, "betas": (0.8, 0.9), "amsgrad": True},
+                {"bucket_cap_mb": 1e-4}, mode="all_to_all"),
+            "rebuild": _equivalence(rank, torch.float64, {"lr": 0.05}, {"bucket_cap_mb": 1e-4},
+                                    partial=False)}
+
+
+def _assert_same(ref, got, exact, tol=1e-12):
     assert ref.keys() == got.keys()
     for name in ref:
         r, g = ref[name], got[name]
         if exact:
             assert torch.equal(r, g), f"{name}: max diff {(r - g).abs().max().item():.3g}"
         else:
-            torch.testing.assert_close(g, r, rtol=rtol, atol=rtol, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(g, r, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
 
 
-CASES = [
-    # world, dtype, optimizer options, DDP options, reduce-scatter mode
-    (2, torch.float32, {"lr": 0.05}, {}, "auto"),
-    (3, torch.float64, {"lr": 0.05, "weight_decay": 0.1}, {"bucket_cap_mb": 1e-4}, "auto"),
-    (4, torch.float64, {"lr": 0.05, "betas": (0.8, 0.9), "amsgrad": True},
-     {"bucket_cap_mb": 1e-4}, "all_to_all"),
-    (3, torch.float64, {"lr": 0.05, "weight_decay": 0.1, "decoupled_weight_decay": True}, {},
-     "all_reduce"),
-]
-
-
-@pytest.mark.parametrize("world,dtype,opt_kw,ddp_kw,mode", CASES)
-def test_fused_adam_equals_ddp_and_adam(world, dtype, opt_kw, ddp_kw, mode):
-    results = distutil.run(_equivalence, world, dtype, opt_kw, ddp_kw, mode, timeout=90)
-    for rank, (ref, got, used_mode, nbytes, steps) in enumerate(results):
-        _assert_same(ref, got, exact=(world == 2))
-        # Every rank ends with the same parameters.
-        _assert_same(results[0][1], got, exact=True)
-        if mode != "auto":
-            assert used_mode == mode
-        # 'never' got no update and no step; 'some' one step per step where a rank used it.
+def _check_equivalence(results, key, world, dtype, exact, partial=True, moments=2):
+    for r in results:
+        res = r[key]
+        _assert_same(res["ref"], res["got"], exact)
+        _assert_same(results[0][key]["got"], res["got"], exact=True)  # same on every rank
         init = dict(_Net(dtype).named_parameters())
-        for name in ("never.weight", "never.bias", "frozen"):
-            assert torch.equal(got[name], init[name].detach()), name
-        assert steps["never.weight"] == steps["never.bias"] == steps["frozen"] == 0
-        assert steps["some.weight"] == 3 and steps["a.weight"] == STEPS
-    # Optimizer state 1/K: the moments of 64 trained elements, in parts of ceil(n / K).
-    trained = [35, 5, 15, 3, 9, 3]
-    per_rank = [sum(max(0, min(-(-n // world), n - r * -(-n // world))) for n in trained)
-                for r in range(world)]
-    moments = 3 if opt_kw.get("amsgrad") else 2
-    assert [r[3] for r in results] == [moments * e * dtype.itemsize for e in per_rank]
+        assert torch.equal(res["got"]["frozen"], init["frozen"].detach())
+        assert res["steps"]["frozen"] == 0 and res["steps"]["a.weight"] == STEPS
+        if partial:  # never: no update, no step; some: a step where any rank used it
+            for name in ("never.weight", "never.bias"):
+                assert torch.equal(res["got"][name], init[name].detach()), name
+                assert res["steps"][name] == 0
+            assert res["steps"]["some.weight"] == 3
+    # Optimizer state 1/K: moments of this rank's parts of ceil(n / K) elements.
+    trained = [35, 5, 15, 3, 9, 3] + ([] if partial else [6, 2])
+    part = [-(-n // world) for n in trained]
+    own = [sum(max(0, min(s, n - rank * s)) for n, s in zip(trained, part))
+           for rank in range(world)]
+    assert [r[key]["bytes"] for r in results] == [moments * e * dtype.itemsize for e in own]
+    assert sum(own) == sum(trained)
+
+
+def test_two_ranks_bitwise_buckets_rebuild_and_misuse():
+    results = distutil.run(_world2, 2, timeout=120)
+    # K = 2: the two-term sum is the same in any order, so float32 matches bit for bit.
+    _check_equivalence(results, "f32", 2, torch.float32, exact=True)
+    _check_equivalence(results, "f64_buckets", 2, torch.float64, exact=True, partial=False)
+    res = results[0]["f64_buckets"]
+    # Several buckets, and DDP rebuilt them after the first iteration: more layouts than buckets.
+    assert res["buckets"][-1] > 1 and res["layouts"] > res["buckets"][-1], res
+    for r in results:
+        e = r["misuse"]
+        assert "expected loss.backward() through the DDP model before step()" in e["step_first"]
+        assert "a DDP model takes one comm hook" in e["second_hook"]
+        assert "expected exactly one parameter group" in e["add_group"]
+        assert "expected no update in flight" in e["state_in_flight"]
+        assert "a second backward pass through the DDP model ran before step()" in \
+            e["two_backwards"] and "no_sync()" in e["two_backwards"]
+
+
+def test_three_ranks_uneven_parts_unused_parameters_and_state_dicts():
+    results = distutil.run(_world3, 3, timeout=120)
+    _check_equivalence(results, "wd_buckets", 3, torch.float64, exact=False)
+    _check_equivalence(results, "adamw_all_reduce", 3, torch.float64, exact=False)
+    assert results[0]["adamw_all_reduce"]["mode"] == "all_reduce"
+    assert results[0]["wd_buckets"]["buckets"][-1] > 1
+    for r in results:
+        sd = r["state_dicts"]
+        for name, st in sd["adam"].items():  # gathered moments = torch.optim.Adam's
+            if st is None:
+                assert sd["full"][name] is None, name
+                continue
+            # 2 steps, 1 for `some` (rank 1 used it at step 1 only)
+            assert float(sd["full"][name]["step"]) == float(st["step"]) == (
+                1.0 if name.startswith("some") else 2.0)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(sd["full"][name][key], st[key], rtol=1e-12,
+                                           atol=1e-15)
+        _assert_same(sd["continued"], sd["from_shard"], exact=True)
+        for key in ("continued", "from_adam", "to_adam"):
+            _assert_same(sd["ref"], sd[key], exact=False)
+        assert "expected rank" in sd["wrong_rank"] and "full_state_dict()" in sd["wrong_rank"]
+
+
+@pytest.mark.slow
+def test_four_ranks_amsgrad_all_to_all_and_rebuilt_buckets():
+    results = distutil.run(_world4, 4, timeout=180)
+    _check_equivalence(results, "amsgrad_all_to_all", 4, torch.float64, exact=False, moments=3)
+    _check_equivalence(results, "rebuild", 4, torch.float64, exact=False, partial=False)
+    assert results[0]["amsgrad_all_to_all"]["mode"] == "all_to_all"
+
+
+def test_argument_errors_need_no_process_group():
+    from ngra.distributed.fused import FusedAdam
+
+    with pytest.raises(TypeError, match="expected a torch.nn.parallel.DistributedDataParallel "
+                                        r"model \(got Linear\)"):
+        FusedAdam(torch.nn.Linear(2, 2))
+    for kw, msg in (({"lr": -1.0}, r"expected lr >= 0 \(got -1.0\)"),
+                    ({"betas": (0.9, 1.0)}, r"expected betas = \(beta1, beta2\) in \[0, 1\)"),
+                    ({"eps": -1e-8}, "expected eps >= 0"),
+                    ({"weight_decay": -0.1}, "expected weight_decay >= 0"),
+                    ({"reduce_scatter": "ring"}, "reduce_scatter must be one of")):
+        with pytest.raises(ValueError, match=msg):
+            FusedAdam(torch.nn.Linear(2, 2), **kw)
+
+
+def test_parts_cover_every_element_once():
+    from ngra.distributed.fused import _fill_rows, _own, _part
+
+    for n in (1, 2, 5, 12, 13):
+        for k in (1, 2, 3, 4, 7):
+            s = _part(n, k)
+            spans = [_own(n, s, r) for r in range(k)]
+            covered = [i for lo, c in spans for i in range(lo, lo + c)]
+            assert covered == list(range(n)), (n, k, spans)
+            dst = torch.full((k, s), -1.0)
+            _fill_rows(dst, torch.arange(1.0, n + 1))
+            assert dst.reshape(-1).tolist() == list(range(1, n + 1)) + [0.0] * (k * s - n)
