@@ -54,6 +54,10 @@ def _setup(fused, dtype, opt_kw, ddp_kw, partial=True, mode="auto"):
 
     from ngra.distributed.fused import FusedAdam
 
+    if "bucket_cap_mb" in ddp_kw:
+        # torch 2.2 sizes the first bucket after the rebuild by this global (1 MiB), not by
+        # bucket_cap_mb as torch 2.13 does: set it so that both make one bucket per parameter.
+        torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = int(ddp_kw["bucket_cap_mb"] * 2 ** 20)
     model = DDP(_Net(dtype, partial), find_unused_parameters=partial, **ddp_kw)
     if fused:
         return model, FusedAdam(model, reduce_scatter=mode, profile=True, **opt_kw)
