@@ -1,4 +1,5 @@
-"""Command line: ``ngra train`` and ``ngra info`` (also ``python -m ngra``).
+"""Command line: ``ngra train``, ``ngra evaluate``, ``ngra predict`` and ``ngra info`` (also
+``python -m ngra``).
 
 User errors (bad values, unknown names, missing folders, a damaged checkpoint, a run that
 diverged or needs more memory than there is) print one line,
@@ -17,10 +18,15 @@ from pathlib import Path
 
 __all__ = ["main"]
 
+_COMMANDS = ("train", "evaluate", "predict", "info")
+
 _EXAMPLES = """examples:
   ngra train --model gcn --dataset cora --data-dir ../shared/datasets --seed 0 --metrics-json out.json
   ngra train --model gat --dataset cora --data-dir ../shared/datasets --checkpoint ckpt/ --resume
   ngra train --model gcn --dataset sbm --epochs 100
+  ngra train --model gcn --dataset cora --data-dir ../shared/datasets --save-model gcn.pt
+  ngra evaluate --model-file gcn.pt --data-dir ../shared/datasets
+  ngra predict --model-file gcn.pt --data-dir ../shared/datasets --output pred.csv
   ngra info --dataset cora --data-dir ../shared/datasets
 """
 
@@ -96,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=int, default=1, metavar="N", help="(default 1)")
     t.add_argument("--resume", action="store_true", help="continue the run checkpointed in --checkpoint DIR")
     t.add_argument("--metrics-json", metavar="FILE", help="write the final metrics (and history) as JSON")
+    t.add_argument("--save-model", metavar="FILE",
+                   help="write the selected weights (best validation epoch) and how to rebuild the "
+                        "model, for ngra evaluate / ngra predict and torch.load(weights_only=True)")
     t.add_argument("--log-every", type=int, default=0, metavar="N",
                    help="print a line of loss and accuracy every N epochs (default 0: only the bar)")
     t.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -105,6 +114,29 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--partition", choices=("metis", "contiguous", "random"), default="metis",
                    help="how the vertices are split over the workers (default metis)")
     t.set_defaults(handler=_train)
+
+    for command, text in (("evaluate", "accuracy and loss of a saved model on each split of a "
+                                        "dataset"),
+                          ("predict", "a saved model's predicted class for every vertex")):
+        c = sub.add_parser(command, help=text, description=text[0].upper() + text[1:] + ". The "
+                           "dataset is read as in training (same feature normalization and split "
+                           "seed, from the model file) unless overridden.")
+        c.add_argument("--model-file", required=True, metavar="FILE",
+                       help="written by ngra train --save-model FILE")
+        c.add_argument("--dataset", metavar="NAME", help="default: the dataset the model was "
+                                                         "trained on")
+        c.add_argument("--data-dir", metavar="DIR", help="as for train")
+        c.add_argument("--dataset-option", **{**dataset_option, "help": "as for train (default: "
+                                                                       "the training run's)"})
+        c.add_argument("--device", default="cpu", help="torch device (default cpu)")
+        if command == "evaluate":
+            c.add_argument("--json", action="store_true", help="print the result as JSON")
+            c.set_defaults(handler=_evaluate)
+        else:
+            c.add_argument("--output", required=True, metavar="FILE",
+                           help="FILE.npy (int64 class per vertex), FILE.csv (vertex,class,"
+                                "probability) or FILE.pt (the [N, classes] probabilities)")
+            c.set_defaults(handler=_predict)
 
     i = sub.add_parser("info", help="print statistics of a dataset")
     i.add_argument("--dataset", required=True, metavar="NAME", help=f"one of: {', '.join(available())}")
@@ -145,10 +177,12 @@ def _train(args) -> int:
         normalize_features=args.normalize_features, checkpoint=args.checkpoint, resume=args.resume,
         checkpoint_every=args.checkpoint_every, memory_budget=args.memory_budget,
         num_chunks=args.num_chunks, progress=args.progress, log_every=args.log_every,
-        partition=args.partition)
+        partition=args.partition, save_model=args.save_model if info.rank == 0 else None)
     metrics_path = Path(args.metrics_json) if args.metrics_json else None
     if metrics_path is not None:
         _check_writable(metrics_path)
+    if args.save_model is not None and info.rank == 0:
+        _check_writable(Path(args.save_model), "--save-model")
     try:
         model, data, fit_kwargs, engine_ctx = setup(config)
     except (ValueError, TypeError, OSError) as e:
@@ -166,6 +200,10 @@ def _train(args) -> int:
             raise _user("train", str(e)) from e
         raise
     record_run(result, config, engine_ctx)
+    if info.distributed:
+        from .distributed.launch import wait_for_peers
+
+        wait_for_peers()  # every collective is done: nothing below talks to the other workers
     if info.rank != 0:
         return 0
     # The result line first: if the metrics file cannot be written after all, the run's figures
@@ -180,6 +218,14 @@ def _train(args) -> int:
             tmp.unlink(missing_ok=True)
             raise _user("train", f"--metrics-json: cannot write {str(metrics_path)!r} ({e}); the run "
                                  "finished and its result is the line above") from e
+    if config.save_model is not None:
+        from .train import save_selected
+
+        try:
+            save_selected(result, config)
+        except OSError as e:
+            raise _user("train", f"--save-model: cannot write {str(config.save_model)!r} ({e}); "
+                                 "the run finished and its result is the line above") from e
     return 0
 
 
@@ -190,34 +236,51 @@ def _launch(args) -> int:
 
     if args.metrics_json:
         _check_writable(Path(args.metrics_json))
+    if args.save_model:
+        _check_writable(Path(args.save_model), "--save-model")
     try:
         launch(["train", *args.argv], args.workers)
     except Exception as e:  # ChildFailedError: the workers' own errors are printed above
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise _user("train", f"a worker failed ({first}); see its error above") from e
+        raise _user("train", f"a worker failed ({_failure(e)}); see its error above") from e
     return 0
 
 
-def _check_writable(path: Path) -> None:
-    """Refuse a --metrics-json path that cannot take the file, before training: by creating
-    (and removing) the temporary file the result will be written through."""
-    if path.is_dir():
-        raise _user("train", f"--metrics-json {str(path)!r} is a folder; give a file name such as "
-                             f"{str(path / 'metrics.json')!r}")
-    if path.exists() and not path.is_file():
-        raise _user("train", f"--metrics-json {str(path)!r} exists and is not a regular file; give the "
-                             "name of a file to (over)write")
-    if not path.parent.is_dir():
-        raise _user("train", f"--metrics-json: folder {str(path.parent)!r} does not exist; create it "
-                    "or write the file elsewhere")
-    probe = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def _failure(e: Exception) -> str:
+    """Which workers failed and how, from the launcher's ChildFailedError (its message is a
+    banner of '=' characters followed by a table)."""
+    import signal
+
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        lines = [line for line in str(e).splitlines() if line.strip(" =")]
+        return lines[0].strip() if lines else type(e).__name__
+    # The launcher stops the other workers with SIGTERM once one fails: name the ones that
+    # failed on their own.
+    own = {r: f for r, f in failures.items() if getattr(f, "exitcode", None) != -signal.SIGTERM}
+    out = []
+    for rank in sorted(own or failures):
+        code = getattr(failures[rank], "exitcode", None)
+        if isinstance(code, int) and code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exit code {code}"
+        out.append(f"worker {rank}: {how}")
+    if own and len(own) < len(failures):
+        out.append("the others were stopped")
+    return "; ".join(out)
+
+
+
+def _check_writable(path: Path, flag: str = "--metrics-json", command: str = "train") -> None:
+    from .train import ConfigError, check_writable
+
     try:
-        with open(probe, "x"):
-            pass
-        probe.unlink()
-    except OSError as e:
-        raise _user("train", f"--metrics-json: cannot write to folder {str(path.parent)!r} "
-                             f"({e.strerror or e}); choose a writable location") from e
+        check_writable(path, flag)
+    except ConfigError as e:
+        raise _user(command, str(e)) from e
 
 
 def _options(items: list[str], command: str) -> dict | None:
@@ -260,12 +323,91 @@ def _info(args) -> int:
     return 0
 
 
+def _saved(args):
+    """The saved model and the dataset to run it on: ``(model, data, forward_kwargs, info)``."""
+    from .modelfile import ModelFileError, load_model
+    from .train import ConfigError, _device, load_dataset, model_inputs
+
+    try:
+        device = _device(args.device)
+        model, info = load_model(args.model_file, device=device)
+        saved = info.get("data") or {}
+        name = args.dataset or saved.get("dataset")
+        if not name:
+            raise ConfigError("the model file does not say which dataset it was trained on; pass "
+                              "--dataset NAME")
+        options = _options(args.dataset_option, args.command) or saved.get("dataset_options")
+        data = load_dataset(name, args.data_dir, seed=saved.get("seed") or 0,
+                            normalize_features=saved.get("normalize_features"), options=options)
+    except (ModelFileError, ValueError, TypeError, OSError) as e:
+        raise _user(args.command, str(e)) from e
+    build = info["build"]
+    if data.x is None:
+        raise _user(args.command, f"dataset {name!r} has no vertex features; the model needs "
+                                  f"[N, {build['in_dim']}] features")
+    if data.num_features != build["in_dim"]:
+        raise _user(args.command, f"dataset {name!r} has {data.num_features} features per vertex but "
+                                  f"the model was built for {build['in_dim']}; pass the --dataset "
+                                  f"it was trained on ({saved.get('dataset')!r})")
+    kwargs = {k: v.to(device) for k, v in model_inputs(info["model"], data.graph).items()}
+    return model, data, kwargs, info
+
+
+def _evaluate(args) -> int:
+    from .train import evaluate
+
+    model, data, kwargs, info = _saved(args)
+    if data.y is None:
+        raise _user("evaluate", f"dataset {args.dataset or info['data'].get('dataset')!r} has no "
+                                "labels; use ngra predict")
+    res = evaluate(model, data, forward_kwargs=kwargs)
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    for k, v in res.items():
+        print(f"{k:<10}  {'n/a' if v is None else f'{v:.4f}'}")
+    return 0
+
+
+def _predict(args) -> int:
+    import numpy as np
+    import torch
+
+    out_path = Path(args.output)
+    kinds = (".npy", ".csv", ".pt")
+    if out_path.suffix not in kinds:
+        raise _user("predict", f"--output {str(out_path)!r} must end in one of {', '.join(kinds)}")
+    _check_writable(out_path, "--output", "predict")
+    model, data, kwargs, _ = _saved(args)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        prob = model(data.graph.to(device), data.x.to(device), **kwargs).softmax(-1).cpu()
+    conf, cls = prob.max(-1)
+    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    try:
+        if out_path.suffix == ".npy":
+            with open(tmp, "wb") as f:
+                np.save(f, cls.numpy())
+        elif out_path.suffix == ".pt":
+            torch.save(prob, tmp)
+        else:
+            with open(tmp, "w") as f:
+                f.write("vertex,class,probability\n")
+                f.writelines(f"{i},{c},{p:.6f}\n" for i, (c, p) in
+                             enumerate(zip(cls.tolist(), conf.tolist())))
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"predicted {cls.numel()} vertices -> {out_path}")
+    return 0
+
+
 def _user(command: str, message: str) -> _UsageError:
     return _UsageError(f"ngra {command}: error: {message}")
 
 
 def _interrupted(argv: list[str], args) -> str:
-    command = getattr(args, "command", None) or next((a for a in argv if a in ("train", "info")), "")
+    command = getattr(args, "command", None) or next((a for a in argv if a in _COMMANDS), "")
     line = f"ngra {command}: interrupted".replace("  ", " ")
     checkpoint = getattr(args, "checkpoint", None)
     if checkpoint is None:
@@ -289,7 +431,22 @@ def _out_of_memory(e: BaseException) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status.
+
+    In a worker of a launched group it ends the process with ``os._exit`` instead of returning,
+    without tearing the process group down: torch's gloo backend can deadlock or abort doing
+    that at exit (see :func:`ngra.distributed.launch.wait_for_peers`), and after an error the
+    peers may be gone."""
+    code = _main(argv)
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = None
     try:

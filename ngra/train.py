@@ -150,6 +150,8 @@ class TrainConfig:
       the split seed.
     - ``partition``: how the vertices are split when several workers run (``torchrun`` or
       ``ngra train --workers K``): ``"metis"``, ``"contiguous"`` or ``"random"``.
+    - ``save_model``: a file to write the selected weights to at the end, with what rebuilding
+      the model needs (see :mod:`ngra.modelfile`; ``ngra evaluate`` / ``ngra predict`` read it).
     """
 
     model: str
@@ -177,6 +179,7 @@ class TrainConfig:
     progress: bool = True
     log_every: int = 0
     partition: str = "metis"
+    save_model: str | os.PathLike | None = None
 
     def hparams(self) -> HParams:
         """The model's defaults with this config's overrides applied, validated."""
@@ -736,6 +739,29 @@ def _fmt_stats(s: EpochStats) -> str:
 
 # -- checkpoints ------------------------------------------------------------------------------
 
+def check_writable(path, flag: str) -> None:
+    """Refuse an output file ``path`` (given as ``flag``) that cannot be written, before
+    training: by creating (and removing) the temporary file it will be written through."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{flag} {str(path)!r} is a folder; give a file name such as "
+                          f"{str(path / 'out')!r}")
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{flag} {str(path)!r} exists and is not a regular file; give the name "
+                          "of a file to (over)write")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{flag}: folder {str(path.parent)!r} does not exist; create it or "
+                          "write the file elsewhere")
+    probe = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(probe, "x"):
+            pass
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot write to folder {str(path.parent)!r} "
+                          f"({e.strerror or e}); choose a writable location") from e
+
+
 def check_checkpoint_dir(directory, *, resume: bool) -> Path:
     """Path of the checkpoint file in ``directory``, after checking the folder suits the run.
 
@@ -1092,16 +1118,28 @@ def build(config: TrainConfig, data, hp: HParams | None = None):
     from .nn import build_model
 
     hp = hp or config.hparams()
-    extra, kwargs = {}, {}
+    seed_everything(config.seed)
+    model = build_model(config.model, **build_arguments(config, data, hp))
+    return model, model_inputs(config.model, data.graph)
+
+
+def build_arguments(config: TrainConfig, data, hp: HParams | None = None) -> dict:
+    """The keyword arguments of ``build_model(config.model, ...)`` for ``data``."""
+    hp = hp or config.hparams()
+    out = dict(in_dim=data.num_features, hidden=hp.hidden, out_dim=data.num_classes,
+               num_layers=hp.num_layers, dropout=hp.dropout, heads=hp.heads)
     if config.model == "rgcn":
         # Loaded datasets carry no edge types: every edge gets relation 0 (one relation),
         # which makes R-GCN a mean-aggregating layer with a root weight.
-        extra["num_relations"] = 1
-        kwargs["edge_type"] = torch.zeros(data.graph.num_edges, dtype=torch.int64)
-    seed_everything(config.seed)
-    model = build_model(config.model, data.num_features, hp.hidden, data.num_classes,
-                        num_layers=hp.num_layers, dropout=hp.dropout, heads=hp.heads, **extra)
-    return model, kwargs
+        out["num_relations"] = 1
+    return out
+
+
+def model_inputs(model: str, graph) -> dict:
+    """The per-edge inputs a model of ``build_arguments`` takes besides ``(g, x)``."""
+    if model == "rgcn":
+        return {"edge_type": torch.zeros(graph.num_edges, dtype=torch.int64)}
+    return {}
 
 
 def _check_model_size(config: TrainConfig, data, hp: HParams, device: torch.device) -> None:
@@ -1205,6 +1243,8 @@ def setup(config: TrainConfig, *, data=None):
                           "benchmarks and `ngra info`")
     if config.checkpoint is not None:
         check_checkpoint_dir(config.checkpoint, resume=config.resume)
+    if config.save_model is not None:
+        check_writable(config.save_model, "save_model")
     engine_ctx = _engine_context(config)
     normalized = config.normalize_features
     if data is None:
@@ -1231,6 +1271,7 @@ def setup(config: TrainConfig, *, data=None):
                           f"{data.graph.num_nodes}, e.g. --num-chunks {max(1, min(data.graph.num_nodes, 4))}")
     _check_model_size(config, data, hp, device)
     model, kwargs = build(config, data, hp)
+    full = data  # before a worker keeps its piece
     model = model.to(device)
     kwargs = {k: v.to(device) for k, v in kwargs.items()}
     data, kwargs = _distribute(config, data, kwargs, engine_ctx, device)
@@ -1249,7 +1290,7 @@ def setup(config: TrainConfig, *, data=None):
                               f"with {flag}: {e}") from e
     run_info = {"model": config.model, "dataset": config.dataset.lower(), "seed": config.seed,
                 "hidden": hp.hidden, "num_layers": hp.num_layers, "dropout": hp.dropout,
-                "normalize_features": normalized}
+                "normalize_features": normalized, "build": build_arguments(config, full, hp)}
     if config.model == "gat":
         run_info["heads"] = hp.heads
     if config.dataset_options:
@@ -1273,7 +1314,25 @@ def run(config: TrainConfig, *, data=None,
     with engine_ctx:
         result = fit(model, data, on_epoch=on_epoch, **fit_kwargs)
     record_run(result, config, engine_ctx)
+    from .distributed.launch import worker_info
+
+    if config.save_model is not None and worker_info().rank == 0:
+        save_selected(result, config)
     return result
+
+
+def save_selected(result: TrainResult, config: TrainConfig) -> Path:
+    """Write ``result.model`` (the weights selected on validation) to ``config.save_model``
+    (see :mod:`ngra.modelfile`), with how the data was read and the run's accuracies."""
+    from .modelfile import save_model
+
+    info = result.info
+    data = {k: info.get(k) for k in ("dataset", "normalize_features", "seed")}
+    data["dataset_options"] = info.get("dataset_options")
+    metrics = {"train_acc": result.train_acc, "val_acc": result.val_acc,
+               "test_acc": result.test_acc, "best_epoch": result.best_epoch}
+    return save_model(config.save_model, result.model, name=info["model"], build=info["build"],
+                      data=data, metrics=metrics)
 
 
 def record_run(result: TrainResult, config: TrainConfig, engine_ctx) -> None:

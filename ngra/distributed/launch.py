@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorkerInfo", "worker_info", "init_from_env", "launch", "local_record"]
+__all__ = ["WorkerInfo", "worker_info", "init_from_env", "wait_for_peers", "launch", "local_record"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,26 @@ def init_from_env(device: torch.device | str = "cpu", *, timeout: float = 300.0)
         backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     return info
+
+
+def wait_for_peers(*, timeout: float = 300.0) -> None:
+    """The end of a worker's run: wait until every worker of the default group is here, so none
+    leaves while a peer still moves data to it (a peer that does not come within ``timeout``
+    seconds is a RuntimeError naming it, on gloo). Then end the process with
+    ``os._exit(status)`` after flushing what it printed, as ``ngra train`` does.
+
+    Why not ``destroy_process_group()`` and a normal exit: with torch 2.2's gloo backend, tearing
+    a group down races with its worker threads, which free the last collective's tensors under
+    the group's lock and need the GIL for it, while the thread tearing the group down holds the
+    GIL and waits for that lock (a deadlock, seen in this project's tests), and a group left
+    alive at interpreter exit can abort the process ("terminate called without an active
+    exception", SIGABRT, seen in CI)."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout))
+    else:
+        dist.barrier()
 
 
 def launch(argv: list[str], nproc: int, *, max_restarts: int = 0,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import distutil
 import pytest
 import torch
 
@@ -66,3 +67,30 @@ def test_local_record_takes_the_workers_rows():
     assert rec.x.tolist() == [[2.0, 3.0], [6.0, 7.0]] and rec.y.tolist() == [1, 3]
     assert rec.train_mask.tolist() == [False, True] and rec.val_mask is None
     assert rec.test_mask.tolist() == [True, False] and rec.name == "toy"
+
+
+def _finish(rank, world):
+    import time
+
+    from ngra.distributed.launch import wait_for_peers
+
+    time.sleep(0.5 * rank)  # the last worker comes 1 s after the first
+    t0 = time.monotonic()
+    wait_for_peers(timeout=30)
+    return time.monotonic() - t0
+
+
+def _one_missing(rank, world):
+    from ngra.distributed.launch import wait_for_peers
+
+    if rank == 1:
+        return "absent"
+    wait_for_peers(timeout=2)
+
+
+def test_wait_for_peers_waits_for_the_last_worker_and_names_a_missing_one():
+    waited = distutil.run(_finish, 3)
+    assert waited[0] >= 0.9 and waited[2] < 0.5
+    out = distutil.run(_one_missing, 2, expect_errors=True)
+    assert out[1] == "absent"
+    assert "Rank 1 failed to pass monitoredBarrier in 2000 ms" in out[0], out[0]
