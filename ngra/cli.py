@@ -437,7 +437,14 @@ def main(argv: list[str] | None = None) -> int:
     without tearing the process group down: torch's gloo backend can deadlock or abort doing
     that at exit (see :func:`ngra.distributed.launch.wait_for_peers`), and after an error the
     peers may be gone."""
-    code = _main(argv)
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader of our output went away (`ngra info ... | head -1`): not an error of ours.
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141  # 128 + SIGPIPE, what a shell reports for a command killed by it
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         sys.stdout.flush()

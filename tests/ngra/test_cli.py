@@ -295,3 +295,12 @@ def test_sigint_after_a_checkpoint_says_how_to_resume(tmp_path):
     from ngra.train import load_checkpoint
 
     assert load_checkpoint(ck / "last.pt")["epoch"] >= 1
+
+
+def test_a_closed_pipe_is_not_a_traceback():
+    """`ngra info ... | head -1`: the reader goes away; exit 141 (SIGPIPE's status), no traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "ngra", "info", "--dataset", "karate", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
