@@ -161,7 +161,7 @@ def run_lm(args) -> dict:
         act = r["active"]
         print(f"| {kind} | {r['params']:,} | {r['final']:.3f} | {cells[0]} | {cells[1]} | "
               f"{cells[2]} | {last[1] / args.steps * 1e3:.0f} ms | {act[0][1]:.2f} -> "
-              f"{act[-1][1]:.2f} | {r['balance']:.2f} |")
+              f"{act[-1][1]:.2f} | {'-' if kind == 'dense' else f"{r['balance']:.2f}"} |")
     sw, dts = results["switch"]["reach"], results["dts"]["reach"]
     if sw and dts:
         print(f"\nDTS vs Switch to ppl {target:.3f}: {sw[0] / dts[0]:.2f}x fewer steps, "

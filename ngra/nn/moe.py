@@ -124,9 +124,12 @@ class Gate(nn.Module):
         z = self.wg(x)
         if self.check_finite and z.numel() and not bool(torch.isfinite(z).all()):
             bad = int((~torch.isfinite(z)).any(1).sum())
-            cause = ("the layer's input x already holds NaN/inf" if not bool(torch.isfinite(x).all())
-                     else "the router weight W_g holds NaN/inf" if not bool(
-                         torch.isfinite(self.wg.weight).all()) else "x W_g overflowed")
+            if not bool(torch.isfinite(x).all()):
+                cause = "the layer's input x already holds NaN/inf"
+            elif not bool(torch.isfinite(self.wg.weight).all()):
+                cause = "the router weight W_g holds NaN/inf"
+            else:
+                cause = "x W_g overflowed"
             raise FloatingPointError(
                 f"{type(self).__name__}: router logits must be finite: expected no NaN/inf (got "
                 f"{bad} of {z.shape[0]} tokens with NaN/inf logits; {cause}). Training has "
