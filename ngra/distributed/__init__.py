@@ -24,3 +24,4 @@ from .transport import ExchangePlan, Region, Transport, TransportError
 
 __all__ = ["Transport", "Region", "ExchangePlan", "TransportError", "DistGraph", "partition",
            "sync_gradients", "PARTITION_METHODS"]
+from .fused import FusedAdam  # noqa: E402  reduce-scatter + sharded Adam + all-gather DDP hook

@@ -129,6 +129,7 @@ class _Pending:
     work: object
     result: object      # () -> [W + P] reduced row of this rank
     launched: float
+    nbytes: int         # send + receive buffers
     done_at: list = field(default_factory=list)  # profiling: completion time, set by a waiter
 
 
@@ -240,7 +241,7 @@ class FusedAdam(torch.optim.Optimizer):
                                "backward, so call step() once after each backward")
         t0 = time.perf_counter()
         self._drain(block=True)  # nothing left normally: the last hook drained
-        for layout, out, work, _launched, _done in self._gathers:
+        for layout, out, work, *_ in self._gathers:
             work.wait()
             rows = out.view(self.world, layout.width)
             for s in layout.slots:
@@ -252,7 +253,11 @@ class FusedAdam(torch.optim.Optimizer):
             for th in self._waiters:
                 th.join()
             self._cur["step_wait_s"] = time.perf_counter() - t0
-            self._cur["gathers"] = [(g[3], g[4][0] if g[4] else math.nan) for g in self._gathers]
+            # (launch, completion) of every collective; the waiters have all noted theirs.
+            self._cur["scatters"] = [(p.launched, p.done_at[0] if p.done_at else seen)
+                                     for p, seen in self._cur.pop("_pending", [])]
+            self._cur["gathers"] = [(g[3], g[4][0] if g[4] else math.nan)
+                                    for g in self._gathers]
             self.stats.append(self._cur)
         self._gathers = []
         self._waiters = []
@@ -390,7 +395,8 @@ class FusedAdam(torch.optim.Optimizer):
                 self._drain(block=True)
             self._gathers, self._waiters = [], []
             self._phase = "backward"
-            self._cur = {"hooks": [], "adam_s": 0.0, "blocked_s": 0.0}
+            self._cur = {"hooks": [], "adam_s": 0.0, "blocked_s": 0.0, "launch_s": 0.0,
+                         "peak_buffer_bytes": 0}
         t0 = time.perf_counter()
         layout = self._layout(bucket)
         grads = bucket.gradients()
@@ -405,7 +411,10 @@ class FusedAdam(torch.optim.Optimizer):
         self._inflight.append(self._launch_reduce_scatter(send, layout))
         if self.profile:
             self._cur["hooks"].append((t0, index))
+            self._note_buffers()
         self._drain(block=bucket.is_last())
+        if self.profile:
+            self._note_buffers()
         if bucket.is_last():
             self._phase = "ready"
         fut = torch.futures.Future()
@@ -439,6 +448,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _launch_reduce_scatter(self, send: torch.Tensor, layout: _Layout) -> _Pending:
         k, row = self.world, layout.row
+        t0 = time.perf_counter()
         if self._mode == "native":
             recv = torch.empty(row, dtype=send.dtype, device=send.device)
             work = _reduce_scatter_single(recv, send.view(-1), group=self._group, async_op=True)
@@ -453,7 +463,11 @@ class FusedAdam(torch.optim.Optimizer):
         else:
             work = dist.all_reduce(send, group=self._group, async_op=True)
             result = lambda: send[self.rank]  # noqa: E731
-        pend = _Pending(layout, work, result, time.perf_counter())
+        nbytes = (send.numel() + (recv.numel() if self._mode != "all_reduce" else 0)) * \
+            send.element_size()
+        pend = _Pending(layout, work, result, time.perf_counter(), nbytes)
+        if self.profile:
+            self._cur["launch_s"] += pend.launched - t0
         self._watch(work, pend.done_at)
         return pend
 
@@ -469,13 +483,14 @@ class FusedAdam(torch.optim.Optimizer):
             t1 = time.perf_counter()
             self._inflight.popleft()
             reduced = pend.result()
-            out, work = self._update_and_gather(pend.layout, reduced)
+            launched = self._cur.get("launch_s", 0.0)
+            self._update_and_gather(pend.layout, reduced)
             t2 = time.perf_counter()
             if self.profile:
                 self._cur["blocked_s"] += t1 - t0
-                self._cur["adam_s"] += t2 - t1
-                self._cur.setdefault("scatters", []).append(
-                    (pend.launched, pend.done_at[0] if pend.done_at else t1))
+                # Adam on the parts and the copies around it, without the all-gather's launch.
+                self._cur["adam_s"] += t2 - t1 - (self._cur["launch_s"] - launched)
+                self._cur.setdefault("_pending", []).append((pend, t1))
 
     @torch.no_grad()
     def _update_and_gather(self, layout: _Layout, reduced: torch.Tensor):
@@ -524,12 +539,19 @@ class FusedAdam(torch.optim.Optimizer):
         out = torch.empty(self.world * layout.width, dtype=dtype, device=reduced.device)
         t = time.perf_counter()
         work = _all_gather_single(out, src[:layout.width], group=self._ag_group, async_op=True)
+        if self.profile:
+            self._cur["launch_s"] += time.perf_counter() - t
         done: list = []
         self._watch(work, done)
-        self._gathers.append((layout, out, work, t, done))
-        return out, work
+        self._gathers.append((layout, out, work, t, done,
+                              (out.numel() + src.numel()) * out.element_size()))
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _note_buffers(self) -> None:
+        # Profiling: peak bytes of the communication buffers alive at once in this backward.
+        alive = sum(p.nbytes for p in self._inflight) + sum(g[5] for g in self._gathers)
+        self._cur["peak_buffer_bytes"] = max(self._cur.get("peak_buffer_bytes", 0), alive)
 
     def _used_marker(self, i: int):
         def mark(_grad):
