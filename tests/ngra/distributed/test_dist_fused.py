@@ -3,7 +3,8 @@ DDP + torch.optim.Adam: on 2, 3 and 4 real gloo processes, after several steps e
 equals the unfused run (float32 with 2 ranks: bit for bit; float64: to 1e-12), with parameter
 sizes not divisible by the number of ranks, a parameter no rank uses, one only some ranks use, a
 frozen parameter, one bucket per parameter, DDP's bucket rebuild after the first iteration,
-weight decay (L2 and AdamW), amsgrad and the three reduce-scatter implementations. The optimizer
+weight decay (L2 and AdamW), amsgrad and the three reduce-scatter implementations; bfloat16
+parameters are updated through a float32 master copy. The optimizer
 state is 1/K per rank, its state dicts round-trip (also to and from torch.optim.Adam), and misuse
 fails with a message that says what to do.
 
@@ -160,8 +161,39 @@ def _misuse(rank, world):
     return errors
 
 
+def _low_precision(rank, world):
+    """bfloat16 parameters: one step updates a float32 master copy of the rank's parts. Adam's
+    first step is ``p - lr * m / (sqrt(v) + eps)`` with ``m / sqrt(v) = sign(g)`` after bias
+    correction, insensitive to the bfloat16 rounding of the mean gradient, so the master equals
+    torch.optim.Adam on a float32 copy fed the float32 mean of the local gradients."""
+    import torch.distributed as dist
+
+    model, opt = _setup(True, torch.bfloat16, {"lr": 0.05}, {}, partial=False)
+    params = list(model.module.named_parameters())
+    ref = [p.detach().float().clone().requires_grad_(p.requires_grad) for _, p in params]
+    x, y = _data(rank, 0, torch.bfloat16)
+    ((model(x, True) - y) ** 2).mean().backward()
+    for r, (_, p) in zip(ref, params):
+        if p.requires_grad:  # .grad holds the local gradient (documented): average it here
+            g = p.grad.float()
+            dist.all_reduce(g)
+            r.grad = g / world
+    opt.step()
+    adam = torch.optim.Adam([r for r in ref if r.requires_grad], lr=0.05)
+    adam.step()
+    out = {}
+    for i, ((name, p), r) in enumerate(zip(params, ref)):
+        st = opt._shard.get(i)
+        lo = rank * -(-p.numel() // world)
+        want = r.detach().reshape(-1)[lo:lo + (0 if st is None else st["master"].numel())]
+        out[name] = (p.detach().clone(), r.detach().clone(),
+                     None if st is None else st["master"].clone(), want)
+    return out
+
+
 def _world2(rank, world):
     out = {"f32": _equivalence(rank, torch.float32, {"lr": 0.05}, {})}
+    out["bf16"] = _low_precision(rank, world)
     out["f64_buckets"] = _equivalence(rank, torch.float64, {"lr": 0.05, "weight_decay": 0.1},
                                       {"bucket_cap_mb": 1e-4}, partial=False)
     out["misuse"] = _misuse(rank, world)
@@ -223,6 +255,14 @@ def test_two_ranks_bitwise_buckets_rebuild_and_misuse():
     # K = 2: the two-term sum is the same in any order, so float32 matches bit for bit.
     _check_equivalence(results, "f32", 2, torch.float32, exact=True)
     _check_equivalence(results, "f64_buckets", 2, torch.float64, exact=True, partial=False)
+    for r in results:
+        for name, (param, ref, master, want) in r["bf16"].items():
+            if name == "frozen":
+                assert master is None and torch.equal(param.float(), ref)
+                continue
+            assert master is not None and master.dtype == torch.float32, name
+            torch.testing.assert_close(master, want, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(param, ref.bfloat16())  # bfloat16 tolerance
     res = results[0]["f64_buckets"]
     # Several buckets, and DDP rebuilt them after the first iteration: more layouts than buckets.
     assert res["buckets"][-1] > 1 and res["layouts"] > res["buckets"][-1], res
