@@ -165,6 +165,7 @@ class AdamA(torch.optim.Optimizer):
         self._group = process_group
         self._shard = shard
         self._handles: dict[torch.Tensor, object] = {}  # every parameter added (hook or None)
+        self._group_index: dict[torch.Tensor, int] = {}  # parameter -> its param_groups index
         self._owner: dict[torch.Tensor, int] = {}
         self._owned_bytes: list[int] = []
         # The step in progress: N declared for it (None: none started), micro-batches completed.
@@ -198,6 +199,7 @@ class AdamA(torch.optim.Optimizer):
                                 "optimize torch.view_as_real(p) instead")
             self._handles[p] = (p.register_post_accumulate_grad_hook(self._on_grad)
                                 if self._hooks_enabled else None)
+            self._group_index[p] = len(self.param_groups) - 1
             if self._group is not None:
                 # Greedy by size, in parameter order: every rank computes the same owners.
                 r = min(range(len(self._owned_bytes)), key=lambda i: (self._owned_bytes[i], i))
@@ -345,9 +347,9 @@ class AdamA(torch.optim.Optimizer):
         return self._n if group["second_moment"] == "mean" else 1
 
     def _group_of(self, p):
-        for g in self.param_groups:
-            if any(q is p for q in g["params"]):
-                return g
+        i = self._group_index.get(p)
+        if i is not None and i < len(self.param_groups):
+            return self.param_groups[i]
         raise RuntimeError("AdamA: the parameter list changed since construction: a gradient "
                            f"arrived for a parameter of shape {tuple(p.shape)} that is in no "
                            "param group; add parameters with add_param_group()")

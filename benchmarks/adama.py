@@ -1,0 +1,360 @@
+"""AdamA vs Adam + gradient accumulation: peak memory, throughput, loss curves, largest model.
+
+    .venv/bin/python benchmarks/adama.py                # char GPT + GCN, N = 1, 4, 8 (minutes)
+    .venv/bin/python benchmarks/adama.py --quick        # tiny sizes, a smoke run
+    .venv/bin/python benchmarks/adama.py --plot adama.png
+
+Two tasks, each trained with the same global batch split into N micro-batches (N = ``--micro``,
+default 1, 4, 8), with ``torch.optim.Adam`` + gradient accumulation (``(loss / N).backward()``
+N times, then ``step()``; the single-tensor Adam, ``foreach=False``, as on the CPU by default)
+and with ``ngra.optim.AdamA`` (the same loop inside ``opt.micro_batches(N)``):
+
+- ``gpt``: ``ngra.nn.transformer.GPT`` on Tiny Shakespeare characters (``--data-dir``), a global
+  batch of ``--batch`` sequences of ``--block`` tokens;
+- ``gcn``: ``ngra.nn.build_model("gcn")`` on Cora (an SBM graph if Cora is not found, or with
+  ``--quick``), full-graph forward per micro-batch (dropout 0.5 on every layer's input), each
+  micro-batch's loss on 1/N of the training vertices, ``--gcn-steps`` steps.
+
+Measured, side by side in one run:
+
+- **peak memory** of live tensors of a training run (model built, two steps): on the CPU with a
+  ``TorchDispatchMode`` tracker (``ngra.engine.TensorMemory``: every storage a torch op creates
+  while it is active counts from its creation until freed; parameters, gradients, optimizer
+  state, activations, autograd buffers), with ``torch.cuda.max_memory_allocated`` on a GPU;
+- **throughput**: every configuration of a task trains at once, one step each in turn, so that
+  load from other work on the machine falls on all alike; the median step time after the first;
+- **loss curves**: each step's training loss (the sum of its micro-batches' scaled losses), same
+  initial weights and batches for every configuration, and a validation loss at the end;
+- **largest model under a memory limit** (gpt only): GPT widths ``d_model`` from ``--d-model``
+  up, in steps of ``8 * n_head``, at N = max(``--micro``): the widest whose peak stays under
+  ``--limit-mib`` (default: Adam + accumulation's peak at ``--d-model``, so Adam's answer is the
+  base width by construction and the question is how much wider AdamA goes).
+
+Only the ratios within one run mean anything on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# benchmarks/kernels.py would shadow the kernels package: never import from this folder.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import ngra  # noqa: E402  (before torch: OpenMP's wait policy)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from ngra.optim import AdamA  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ("adam+acc", "adama")
+MIB = 2**20
+
+
+# -- tasks ------------------------------------------------------------------------------------
+
+class GPTTask:
+    name = "gpt"
+
+    def __init__(self, args, d_model=None):
+        from ngra.datasets.corpus import load_corpus
+
+        self.args = args
+        self.corpus = load_corpus(root=args.data_dir)
+        self.d_model = d_model or args.d_model
+
+    def model(self):
+        from ngra.nn.transformer import GPT
+
+        a = self.args
+        return GPT(self.corpus.vocab_size, a.block, d_model=self.d_model, n_layer=a.n_layer,
+                   n_head=a.n_head)
+
+    def batches(self, seed):
+        """An endless stream of global batches (x, y), the same for every configuration."""
+        gen = torch.Generator().manual_seed(seed)
+        while True:
+            yield self.corpus.batch("train", self.args.batch, self.args.block, gen)
+
+    def micro_losses(self, model, batch, n):
+        x, y = batch
+        for xs, ys in zip(x.chunk(n), y.chunk(n)):
+            yield model(xs, ys)[1]
+
+    def val_loss(self, model):
+        gen = torch.Generator().manual_seed(12345)
+        with torch.no_grad():
+            return statistics.fmean(model(*self.corpus.batch("val", self.args.batch,
+                                                             self.args.block, gen))[1].item()
+                                    for _ in range(4))
+
+    def units(self, n_steps):
+        return n_steps * self.args.batch * self.args.block, "tokens/s"
+
+
+class GCNTask:
+    name = "gcn"
+
+    def __init__(self, args):
+        self.args = args
+        ds = None
+        if not args.quick:
+            try:
+                ds = ngra.datasets.load("cora", root=args.data_dir, normalize_features=True)
+            except (FileNotFoundError, OSError, ValueError) as e:
+                print(f"gcn: Cora not loaded ({e}); an SBM graph instead")
+        if ds is None:
+            ds = ngra.datasets.load("sbm", num_nodes=600 if args.quick else 2000)
+        self.ds = ds
+        self.train = ds.train_mask.nonzero().flatten()
+        self.num_classes = int(ds.y.max()) + 1
+
+    def model(self):
+        return ngra.nn.build_model("gcn", self.ds.x.shape[1], self.args.gcn_hidden,
+                                   self.num_classes, dropout=0.5)
+
+    def batches(self, seed):
+        gen = torch.Generator().manual_seed(seed)
+        while True:  # the training vertices in a fresh order each step
+            yield self.train[torch.randperm(len(self.train), generator=gen)]
+
+    def micro_losses(self, model, order, n):
+        for idx in order.chunk(n):
+            out = model(self.ds.graph, self.ds.x)
+            yield F.cross_entropy(out[idx], self.ds.y[idx])
+
+    def val_loss(self, model):
+        model.eval()
+        with torch.no_grad():
+            out = model(self.ds.graph, self.ds.x)
+        model.train()
+        return F.cross_entropy(out[self.ds.val_mask], self.ds.y[self.ds.val_mask]).item()
+
+    def units(self, n_steps):
+        return n_steps, "steps/s"
+
+
+# -- one configuration ------------------------------------------------------------------------
+
+class Run:
+    """A model, its optimizer and its batch stream; ``step()`` trains one global batch."""
+
+    def __init__(self, task, method, n, seed, lr):
+        torch.manual_seed(seed)
+        self.task, self.method, self.n = task, method, n
+        self.model = task.model()
+        self.model.train()
+        if method == "adama":
+            self.opt = AdamA(self.model.parameters(), lr=lr)
+        else:
+            self.opt = torch.optim.Adam(self.model.parameters(), lr=lr, foreach=False)
+        self.data = task.batches(seed + 1)
+        self.losses, self.times = [], []
+        # Its own random stream (dropout): configurations trained in turns draw the same masks.
+        self.rng = torch.Generator().manual_seed(seed + 2).get_state()
+
+    def step(self):
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self.rng)
+            self._step()
+            self.rng = torch.get_rng_state()
+
+    def _step(self):
+        t = time.perf_counter()
+        batch = next(self.data)
+        total = 0.0
+        self.opt.zero_grad(set_to_none=True)
+        block = (self.opt.micro_batches(self.n) if self.method == "adama"
+                 else contextlib.nullcontext())
+        with block:
+            for loss in self.task.micro_losses(self.model, batch, self.n):
+                loss = loss / self.n
+                loss.backward()
+                total += loss.item()
+        self.opt.step()
+        self.times.append(time.perf_counter() - t)
+        self.losses.append(total)
+
+
+def peak_bytes(task, method, n, seed, lr, device, steps=2) -> int:
+    """Peak live tensor bytes of building the model and training ``steps`` steps."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.device(device):
+            run = Run(task, method, n, seed, lr)
+            for _ in range(steps):
+                run.step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from ngra.engine import TensorMemory
+
+    with TensorMemory() as tm:
+        run = Run(task, method, n, seed, lr)
+        for _ in range(steps):
+            run.step()
+        del run
+    return tm.peak
+
+
+# -- main -------------------------------------------------------------------------------------
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tasks", default="gpt,gcn", help="comma-separated: gpt, gcn")
+    ap.add_argument("--micro", default="1,4,8", help="numbers of micro-batches N")
+    ap.add_argument("--steps", type=int, default=120, help="training steps of the gpt task")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32, help="sequences per global batch (gpt)")
+    ap.add_argument("--gcn-hidden", type=int, default=256)
+    ap.add_argument("--gcn-steps", type=int, default=40, help="training steps of the gcn task")
+    ap.add_argument("--widths", type=int, default=8,
+                    help="GPT widths tried for the largest model under the limit (0: skip)")
+    ap.add_argument("--limit-mib", type=float, default=None,
+                    help="memory limit for the largest-model search (default: Adam + "
+                         "accumulation's peak at --d-model)")
+    ap.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "datasets"))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    ap.add_argument("--plot", help="write loss curves and memory bars to this image file")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.d_model, args.n_layer, args.block, args.batch = 4, 32, 1, 16, 8
+        args.gcn_hidden, args.widths, args.gcn_steps = 16, 3, 3
+    micro = [int(k) for k in args.micro.split(",") if k]
+    tasks = [t for t in args.tasks.split(",") if t]
+    unknown = sorted(set(tasks) - {"gpt", "gcn"})
+    if unknown:
+        ap.error(f"--tasks: unknown {unknown}; choose from gpt, gcn")
+    if any(n < 1 or args.batch % n for n in micro):
+        ap.error(f"--micro: every N must be >= 1 and divide --batch {args.batch} (got {micro})")
+    device = torch.device(args.device)
+    from tqdm import tqdm
+
+    results, curves = {}, {}
+    for tname in tasks:
+        task = GPTTask(args) if tname == "gpt" else GCNTask(args)
+        if tname == "gcn":  # the graph's cached CSRs (forward and backward) are built here,
+            Run(task, "adama", 1, args.seed, args.lr).step()  # outside any measurement
+        configs = [(m, n) for n in micro for m in METHODS]
+        for m, n in tqdm(configs, desc=f"{tname} memory", leave=False):
+            results[tname, m, n] = {"peak": peak_bytes(task, m, n, args.seed, args.lr, device)}
+        with torch.device(device):
+            runs = {(m, n): Run(task, m, n, args.seed, args.lr) for m, n in configs}
+        steps = args.steps if tname == "gpt" else args.gcn_steps
+        for _ in tqdm(range(steps), desc=f"{tname} training", leave=False):
+            for run in runs.values():  # round-robin: load falls on all configurations alike
+                run.step()
+        for key, run in runs.items():
+            times = run.times[1:] or run.times
+            results[(tname, *key)].update(step=statistics.median(times), loss=run.losses[-1],
+                                        val=task.val_loss(run.model))
+            curves[(tname, *key)] = run.losses
+        print_table(tname, task, results, micro, args)
+
+    widest = None
+    if "gpt" in tasks and args.widths > 0:
+        widest = largest_model(args, micro, device)
+    if args.plot:
+        plot(args.plot, results, curves, tasks, micro)
+        print(f"wrote {args.plot}")
+    return results, widest
+
+
+def print_table(tname, task, results, micro, args):
+    what = (f"GPT d_model {args.d_model}, {args.n_layer} layers, {args.n_head} heads, batch "
+            f"{args.batch} x {args.block} tokens" if tname == "gpt"
+            else f"GCN hidden {args.gcn_hidden} on {task.ds.name}")
+    steps = args.steps if tname == "gpt" else args.gcn_steps
+    print(f"\n{tname}: {what}; {steps} steps, lr {args.lr:g}, device {args.device}")
+    rate_unit = task.units(1)[1]
+    print(f"{'N':>3} | {'method':<9} | {'peak MiB':>9} | {'step ms':>8} | {rate_unit:>10} | "
+          f"{'train loss':>10} | {'val loss':>8}")
+    for n in micro:
+        for m in METHODS:
+            r = results[tname, m, n]
+            rate = task.units(1)[0] / r["step"]
+            print(f"{n:>3} | {m:<9} | {r['peak'] / MIB:>9.2f} | {r['step'] * 1e3:>8.1f} | "
+                  f"{rate:>10.1f} | {r['loss']:>10.4f} | {r['val']:>8.4f}")
+    print("AdamA / Adam+accumulation, same N:")
+    for n in micro:
+        a, b = results[tname, "adama", n], results[tname, "adam+acc", n]
+        print(f"  N={n}: peak memory {a['peak'] / b['peak']:.3f}x, throughput "
+              f"{b['step'] / a['step']:.3f}x, final val loss {a['val'] - b['val']:+.4f} nats")
+
+
+def largest_model(args, micro, device):
+    n = max(micro)
+    step = 8 * args.n_head
+    widths = [args.d_model + i * step for i in range(args.widths)]
+    from tqdm import tqdm
+
+    peaks = {}
+    for w in tqdm(widths, desc="widths", leave=False):
+        task = GPTTask(args, d_model=w)
+        for m in METHODS:
+            peaks[m, w] = peak_bytes(task, m, n, args.seed, args.lr, device)
+    limit = args.limit_mib * MIB if args.limit_mib else peaks["adam+acc", args.d_model]
+    print(f"\nlargest GPT under {limit / MIB:.2f} MiB (N = {n}; widths {widths[0]}..{widths[-1]} "
+          f"in steps of {step}):")
+    widest = {}
+    for m in METHODS:
+        fit = [w for w in widths if peaks[m, w] <= limit]
+        w = max(fit) if fit else None
+        params = GPTTask(args, d_model=w).model().num_parameters() if w else 0
+        widest[m] = (w, params)
+        more = " (the widest tried: raise --widths)" if w == widths[-1] else ""
+        print(f"  {m:<9} d_model {w if w else '-'} ({params / 1e6:.3f} M parameters){more}")
+    print("  peak MiB per width: " + ", ".join(
+        f"{w}: {peaks['adam+acc', w] / MIB:.1f} / {peaks['adama', w] / MIB:.1f}" for w in widths)
+        + " (Adam+acc / AdamA)")
+    if widest["adam+acc"][1] and widest["adama"][1]:
+        print(f"  AdamA / Adam+accumulation parameters: "
+              f"{widest['adama'][1] / widest['adam+acc'][1]:.3f}x")
+    return widest
+
+
+def plot(path, results, curves, tasks, micro):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(tasks), figsize=(6 * len(tasks), 8), squeeze=False)
+    for j, t in enumerate(tasks):
+        ax = axes[0][j]
+        for n in micro:
+            for m, style in zip(METHODS, ("-", "--")):
+                ys = curves[t, m, n]
+                # A running mean over 10 steps: the single-step losses are noisy.
+                k = min(10, len(ys))
+                smooth = [statistics.fmean(ys[max(0, i - k + 1):i + 1]) for i in range(len(ys))]
+                ax.plot(smooth, style, label=f"{m} N={n}")
+        ax.set_title(f"{t}: training loss (10-step running mean)")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        ax = axes[1][j]
+        xs = range(len(micro))
+        for i, m in enumerate(METHODS):
+            ax.bar([x + 0.4 * i for x in xs], [results[t, m, n]["peak"] / MIB for n in micro],
+                   width=0.4, label=m)
+        ax.set_xticks([x + 0.2 for x in xs], [f"N={n}" for n in micro])
+        ax.set_ylabel("peak live tensor MiB")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Smoke test of benchmarks/adama.py at tiny sizes: both tasks and every N run, the tables are
+printed, Adam + accumulation over N micro-batches trains like N = 1 (same global batch), AdamA
+at N = 1 like Adam, AdamA's peak is below Adam + accumulation's for N > 1 on the GPT, and the
+plot is written (the timings mean nothing here)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "adama.py"
+ROW = re.compile(r"^\s*(\d+) \| (adam\+acc|adama)\s*\|\s*([\d.]+) \|\s*([\d.]+) \|\s*([\d.]+) \|"
+                 r"\s*([\d.]+) \|\s*([\d.]+)$")
+
+
+@pytest.mark.slow
+def test_adama_benchmark_tiny(tmp_path):
+    plot = tmp_path / "adama.png"
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--plot", str(plot)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = res.stdout
+    tables = {}
+    task = None
+    for line in out.splitlines():
+        if line.startswith(("gpt:", "gcn:")):
+            task = line[:3]
+        m = ROW.match(line)
+        if m:
+            n, method, peak, step_ms, rate, loss, val = m.groups()
+            tables[task, method, int(n)] = dict(peak=float(peak), step=float(step_ms),
+                                                rate=float(rate), loss=float(loss))
+    assert len(tables) == 12, out
+    assert all(r["peak"] > 0 and r["step"] > 0 and r["rate"] > 0 for r in tables.values())
+    for t in ("gpt", "gcn"):
+        base = tables[t, "adam+acc", 1]["loss"]
+        assert tables[t, "adama", 1]["loss"] == pytest.approx(base, abs=2e-4)
+        if t == "gpt":  # no dropout: accumulation over N micro-batches is the same step
+            for n in (4, 8):
+                assert tables[t, "adam+acc", n]["loss"] == pytest.approx(base, abs=2e-4)
+    for n in (4, 8):
+        assert tables["gpt", "adama", n]["peak"] < tables["gpt", "adam+acc", n]["peak"]
+    assert re.search(r"N=8: peak memory 0\.\d{3}x, throughput \d+\.\d{3}x", out)
+    assert "largest GPT under" in out and "AdamA / Adam+accumulation parameters" in out
+    assert plot.stat().st_size > 10_000
+
+
+def test_bad_micro_batch_count_is_a_usage_error():
+    res = subprocess.run([sys.executable, str(SCRIPT), "--micro", "3", "--batch", "8"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 2 and "every N must be >= 1 and divide --batch 8" in res.stderr
