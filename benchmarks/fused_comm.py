@@ -39,7 +39,11 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VARIANTS = ("ddp+adam", "fused")
+VARIANTS = ("ddp+adam", "fused", "fused-ar")
+# fused: the backend's reduce-scatter and all-gather (gloo: native in torch 2.13, reduce-scatter
+# emulated by all_to_all in torch 2.2); fused-ar: both done by all-reduces (twice the bytes, but
+# gloo's all-reduce is much faster than its reduce-scatter and all-gather).
+FUSED = {"fused": {}, "fused-ar": {"reduce_scatter": "all_reduce", "all_gather": "all_reduce"}}
 VOCAB = 65
 
 
@@ -91,9 +95,10 @@ def _worker(rank, world, folder, cfg):
 
     ref_model.register_comm_hook(None, timed_allreduce)
     ref_opt = torch.optim.Adam(ref_model.parameters(), lr=cfg["lr"])
-    fused_model = model()
-    fused_opt = FusedAdam(fused_model, lr=cfg["lr"], profile=True)
-    runs = {"ddp+adam": (ref_model, ref_opt), "fused": (fused_model, fused_opt)}
+    runs = {"ddp+adam": (ref_model, ref_opt)}
+    for name, kw in FUSED.items():
+        m = model()
+        runs[name] = (m, FusedAdam(m, lr=cfg["lr"], profile=True, **kw))
     rows = {v: [] for v in VARIANTS}
     total = cfg["warmup"] + cfg["steps"]
     bar = None
@@ -116,7 +121,7 @@ def _worker(rank, world, folder, cfg):
             opt.step()
             t3 = time.perf_counter()
             opt.zero_grad()
-            if variant == "fused":
+            if variant in FUSED:
                 st = opt.stats[-1]
                 end = max(t for t, _ in st["hooks"])
                 comm = st.get("scatters", []) + st["gathers"]
@@ -138,13 +143,14 @@ def _worker(rank, world, folder, cfg):
     if bar is not None:
         bar.close()
     state = {"ddp+adam": sum(t.numel() * t.element_size() for s in ref_opt.state.values()
-                             for t in s.values() if torch.is_tensor(t)),
-             "fused": fused_opt.state_bytes()}
-    diff = max((a - b).abs().max().item() for a, b in
-               zip(ref_model.module.parameters(), fused_model.module.parameters()))
+                             for t in s.values() if torch.is_tensor(t))}
+    state.update({v: runs[v][1].state_bytes() for v in FUSED})
+    diff = max((a - b).abs().max().item() for v in FUSED for a, b in
+               zip(ref_model.module.parameters(), runs[v][0].module.parameters()))
     scale = max(a.abs().max().item() for a in ref_model.module.parameters())
     out = {"rows": {v: r[cfg["warmup"]:] for v, r in rows.items()}, "state": state,
-           "max_diff": diff, "max_abs": scale, "mode": fused_opt.reduce_scatter_mode,
+           "max_diff": diff, "max_abs": scale,
+           "mode": f"{runs['fused'][1].reduce_scatter_mode}/{runs['fused'][1].all_gather_mode}",
            "params": sum(p.numel() for p in ref_model.module.parameters())}
     Path(folder, f"rank{rank}.json").write_text(json.dumps(out))
     os._exit(0)  # no process-group teardown: it can wait on a peer
@@ -265,24 +271,30 @@ def _report(summaries) -> None:
                   f"{100 * r['overlap']:6.1f}% | {r['state'] / 2 ** 20:7.2f} MiB | "
                   f"{r['buffers'] / 2 ** 20:4.1f} MiB | {r['buckets']:>7}")
     for world, s in summaries.items():
-        f = s["fused"]
-        print(f"K={world} fused, inside the hooks per step: launching collectives "
-              f"{f['launch'] * 1e3:.1f} ms, blocked on reduce-scatters {f['blocked'] * 1e3:.1f} ms"
-              f"; forward {f['forward'] * 1e3:.1f} ms vs {s['ddp+adam']['forward'] * 1e3:.1f} ms")
-    print("\nAdam: DDP + Adam's opt.step(); fused: Adam on the rank's parts inside the hooks "
+        for v in FUSED:
+            f = s[v]
+            print(f"K={world} {v}, inside the hooks per step: launching collectives "
+                  f"{f['launch'] * 1e3:.1f} ms, blocked on reduce-scatters "
+                  f"{f['blocked'] * 1e3:.1f} ms; forward {f['forward'] * 1e3:.1f} ms vs "
+                  f"{s['ddp+adam']['forward'] * 1e3:.1f} ms")
+    print("\nAdam: DDP + Adam's opt.step(); fused*: Adam on the rank's parts inside the hooks "
           "(during backward). comm: summed collective time per rank and step; overlap: its "
-          "share before the last bucket's hook. buffers: fused's peak transient send/receive/"
+          "share before the last bucket's hook. buffers: fused*'s peak transient send/receive/"
           "gather buffers.")
     print("\nratios (fused / DDP + Adam; < 1: fused smaller or faster)")
     for world, s in summaries.items():
-        f, d = s["fused"], s["ddp+adam"]
-        print(f"K={world}: step {f['step'] / d['step']:.2f}x, opt.step "
-              f"{f['opt_step'] / d['opt_step']:.2f}x, Adam compute "
-              f"{f['adam'] / d['adam']:.2f}x, "
-              f"optimizer state {f['state'] / d['state']:.3f}x, overlap "
-              f"{100 * f['overlap']:.0f}% vs "
-              f"{100 * d['overlap']:.0f}% (reduce-scatter: {s['mode']}; max |param diff| "
-              f"{s['max_diff']:.2g})")
+        d = s["ddp+adam"]
+        for v in FUSED:
+            f = s[v]
+            print(f"K={world} {v:<8}: step {f['step'] / d['step']:.2f}x, opt.step "
+                  f"{f['opt_step'] / d['opt_step']:.2f}x, Adam compute "
+                  f"{f['adam'] / d['adam']:.2f}x, optimizer state "
+                  f"{f['state'] / d['state']:.3f}x, overlap {100 * f['overlap']:.0f}% vs "
+                  f"{100 * d['overlap']:.0f}%")
+    first = next(iter(summaries.values()))
+    print(f"fused used reduce-scatter/all-gather {first['mode']}; largest |parameter "
+          "difference| to DDP + Adam: "
+          + ", ".join(f"K={w} {s['max_diff']:.2g}" for w, s in summaries.items()))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,10 @@ async_op=True"), and gloo has no ``ReduceOp.AVG`` (so the hook divides by K itse
 ``"auto"`` probes once whether the asynchronous native one works (torch 2.13: yes) and otherwise
 emulates it with ``all_to_all_single`` plus a local sum of the K received rows, which moves the
 same (K - 1) / K of the bucket per rank as a ring reduce-scatter. ``"all_reduce"`` (all-reduce
-the whole buffer, keep row r: twice the bytes) is there for comparison.
+the whole buffer, keep row r: twice the bytes) is there for comparison. Likewise
+``all_gather="all_reduce"`` gathers by a sum all-reduce of a zero buffer holding the rank's row:
+twice the bytes, yet on gloo (loopback, 2-4 processes) faster than gloo's all-gather, which
+measured 2-4x slower than an all-reduce of the same output size (benchmarks/fused_comm.py).
 
 What differs from DDP + Adam (documented, tested where it matters):
 
@@ -78,9 +81,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["FusedAdam", "REDUCE_SCATTER_MODES"]
+__all__ = ["FusedAdam", "REDUCE_SCATTER_MODES", "ALL_GATHER_MODES"]
 
 REDUCE_SCATTER_MODES = ("auto", "native", "all_to_all", "all_reduce")
+ALL_GATHER_MODES = ("native", "all_reduce")
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _FORMAT_SHARDED = "ngra.FusedAdam/sharded"
@@ -162,6 +166,8 @@ class FusedAdam(torch.optim.Optimizer):
     backend once. ``lr`` and the other options live in ``param_groups[0]`` as usual, so LR
     schedulers work; they are read when the update runs (during the next backward).
 
+    ``reduce_scatter`` (``"auto"``, ``"native"``, ``"all_to_all"``, ``"all_reduce"``) and
+    ``all_gather`` (``"native"``, ``"all_reduce"``) pick how the collectives are done (module doc).
     ``profile=True`` records per step the launch and completion times of every collective and
     the time spent in Adam (:attr:`stats`), with one waiter thread per collective.
     """
@@ -169,11 +175,15 @@ class FusedAdam(torch.optim.Optimizer):
     def __init__(self, ddp_model: DistributedDataParallel, lr: float = 1e-3,
                  betas: tuple = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, *,
                  amsgrad: bool = False, decoupled_weight_decay: bool = False,
-                 reduce_scatter: str = "auto", profile: bool = False):
+                 reduce_scatter: str = "auto", all_gather: str = "native",
+                 profile: bool = False):
         _check_hyper(lr, betas, eps, weight_decay)
         if reduce_scatter not in REDUCE_SCATTER_MODES:
             raise ValueError(f"FusedAdam: reduce_scatter must be one of {REDUCE_SCATTER_MODES} "
                              f"(got {reduce_scatter!r})")
+        if all_gather not in ALL_GATHER_MODES:
+            raise ValueError(f"FusedAdam: all_gather must be one of {ALL_GATHER_MODES} "
+                             f"(got {all_gather!r})")
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError("FusedAdam: expected a torch.nn.parallel.DistributedDataParallel "
                             f"model (got {type(ddp_model).__name__}); wrap the module with "
@@ -203,6 +213,7 @@ class FusedAdam(torch.optim.Optimizer):
                 # hook (on AccumulateGrad) can mark the parameter ready and call ours.
                 p.register_hook(self._used_marker(i))
         self._mode = self._pick_mode(reduce_scatter)
+        self._ag_mode = all_gather
         self._layouts: dict = {}
         self._shard: dict = {}          # param index -> {"exp_avg", ...} of this rank's part
         self._steps = [0] * len(params)  # Adam's step count per parameter (same on all ranks)
@@ -536,9 +547,19 @@ class FusedAdam(torch.optim.Optimizer):
                   decoupled)
             if param is not part:
                 part.copy_(param)
-        out = torch.empty(self.world * layout.width, dtype=dtype, device=reduced.device)
         t = time.perf_counter()
-        work = _all_gather_single(out, src[:layout.width], group=self._ag_group, async_op=True)
+        if self._ag_mode == "native":
+            out = torch.empty(self.world * layout.width, dtype=dtype, device=reduced.device)
+            work = _all_gather_single(out, src[:layout.width], group=self._ag_group,
+                                      async_op=True)
+        else:
+            # Each rank adds its row into zeros: the sum is the gather (x + 0 = x exactly).
+            # Twice the bytes of an all-gather, but gloo's all-reduce is much faster than its
+            # all-gather (see benchmarks/fused_comm.py).
+            out = torch.zeros(self.world, layout.width, dtype=dtype, device=reduced.device)
+            out[self.rank] = src[:layout.width]
+            out = out.view(-1)
+            work = dist.all_reduce(out, group=self._ag_group, async_op=True)
         if self.profile:
             self._cur["launch_s"] += time.perf_counter() - t
         done: list = []
@@ -601,6 +622,11 @@ class FusedAdam(torch.optim.Optimizer):
         if self._phase != "idle":
             raise RuntimeError(f"FusedAdam.{what}: expected no update in flight (got one from a "
                                "backward without step()); call step() first")
+
+    @property
+    def all_gather_mode(self) -> str:
+        """The all-gather used: ``"native"`` or ``"all_reduce"``."""
+        return self._ag_mode
 
     @property
     def reduce_scatter_mode(self) -> str:

@@ -50,7 +50,7 @@ def _data(rank, step, dtype):
             torch.randn(6, 3, generator=gen, dtype=dtype))
 
 
-def _setup(fused, dtype, opt_kw, ddp_kw, partial=True, mode="auto"):
+def _setup(fused, dtype, opt_kw, ddp_kw, partial=True, mode="auto", gather="native"):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ngra.distributed.fused import FusedAdam
@@ -61,7 +61,8 @@ def _setup(fused, dtype, opt_kw, ddp_kw, partial=True, mode="auto"):
         torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = int(ddp_kw["bucket_cap_mb"] * 2 ** 20)
     model = DDP(_Net(dtype, partial), find_unused_parameters=partial, **ddp_kw)
     if fused:
-        return model, FusedAdam(model, reduce_scatter=mode, profile=True, **opt_kw)
+        return model, FusedAdam(model, reduce_scatter=mode, all_gather=gather, profile=True,
+                                **opt_kw)
     kw = dict(opt_kw)
     cls = torch.optim.AdamW if kw.pop("decoupled_weight_decay", False) else torch.optim.Adam
     return model, cls(model.parameters(), **kw)
@@ -78,12 +79,13 @@ def _run(rank, model, opt, steps, start=0, dtype=torch.float64):
     return {n: p.detach().clone() for n, p in model.module.named_parameters()}
 
 
-def _equivalence(rank, dtype, opt_kw, ddp_kw, partial=True, mode="auto"):
+def _equivalence(rank, dtype, opt_kw, ddp_kw, partial=True, mode="auto", gather="native"):
     ref = _run(rank, *_setup(False, dtype, opt_kw, ddp_kw, partial), STEPS, dtype=dtype)
-    model, opt = _setup(True, dtype, opt_kw, ddp_kw, partial, mode)
+    model, opt = _setup(True, dtype, opt_kw, ddp_kw, partial, mode, gather)
     got = _run(rank, model, opt, STEPS, dtype=dtype)
     names = [n for n, _ in model.module.named_parameters()]
-    return {"ref": ref, "got": got, "mode": opt.reduce_scatter_mode, "bytes": opt.state_bytes(),
+    return {"ref": ref, "got": got, "mode": (opt.reduce_scatter_mode, opt.all_gather_mode),
+            "bytes": opt.state_bytes(),
             "steps": dict(zip(names, opt._steps)), "layouts": len(opt._layouts),
             "buckets": [len(s["hooks"]) for s in opt.stats]}
 
@@ -205,7 +207,8 @@ def _world3(rank, world):
                                       {"bucket_cap_mb": 1e-4}),
            "adamw_all_reduce": _equivalence(
                rank, torch.float64, {"lr": 0.05, "weight_decay": 0.1,
-                                     "decoupled_weight_decay": True}, {}, mode="all_reduce")}
+                                     "decoupled_weight_decay": True}, {}, mode="all_reduce",
+               gather="all_reduce")}
     out["state_dicts"] = _state_dicts(rank, world)
     return out
 
@@ -280,7 +283,7 @@ def test_three_ranks_uneven_parts_unused_parameters_and_state_dicts():
     results = distutil.run(_world3, 3, timeout=120)
     _check_equivalence(results, "wd_buckets", 3, torch.float64, exact=False)
     _check_equivalence(results, "adamw_all_reduce", 3, torch.float64, exact=False)
-    assert results[0]["adamw_all_reduce"]["mode"] == "all_reduce"
+    assert results[0]["adamw_all_reduce"]["mode"] == ("all_reduce", "all_reduce")
     assert results[0]["wd_buckets"]["buckets"][-1] > 1
     for r in results:
         sd = r["state_dicts"]
@@ -305,7 +308,7 @@ def test_four_ranks_amsgrad_all_to_all_and_rebuilt_buckets():
     results = distutil.run(_world4, 4, timeout=180)
     _check_equivalence(results, "amsgrad_all_to_all", 4, torch.float64, exact=False, moments=3)
     _check_equivalence(results, "rebuild", 4, torch.float64, exact=False, partial=False)
-    assert results[0]["amsgrad_all_to_all"]["mode"] == "all_to_all"
+    assert results[0]["amsgrad_all_to_all"]["mode"] == ("all_to_all", "native")
 
 
 def test_argument_errors_need_no_process_group():
@@ -318,7 +321,8 @@ def test_argument_errors_need_no_process_group():
                     ({"betas": (0.9, 1.0)}, r"expected betas = \(beta1, beta2\) in \[0, 1\)"),
                     ({"eps": -1e-8}, "expected eps >= 0"),
                     ({"weight_decay": -0.1}, "expected weight_decay >= 0"),
-                    ({"reduce_scatter": "ring"}, "reduce_scatter must be one of")):
+                    ({"reduce_scatter": "ring"}, "reduce_scatter must be one of"),
+                    ({"all_gather": "ring"}, "all_gather must be one of")):
         with pytest.raises(ValueError, match=msg):
             FusedAdam(torch.nn.Linear(2, 2), **kw)
 
