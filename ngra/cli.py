@@ -113,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
                         "torchrun the launcher's count is used)")
     t.add_argument("--partition", choices=("metis", "contiguous", "random"), default="metis",
                    help="how the vertices are split over the workers (default metis)")
+    t.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="with --workers: restart the workers up to N times when one fails, as "
+                        "torchrun --max-restarts does; with --checkpoint they resume from it")
     t.set_defaults(handler=_train)
 
     for command, text in (("evaluate", "accuracy and loss of a saved model on each split of a "
@@ -164,9 +167,19 @@ def _train(args) -> int:
                                  f"{info.world_size} workers (WORLD_SIZE); leave --workers out "
                                  "under torchrun")
         if args.workers > 1 and not info.distributed:
+            if args.max_restarts < 0:
+                raise _user("train", f"--max-restarts must be >= 0 (got {args.max_restarts})")
             return _launch(args)
     if info.rank != 0:  # one voice: the other workers train quietly
         args.progress, args.log_every, args.metrics_json = False, 0, None
+    if (info.restart_count and args.checkpoint and not args.resume
+            and (Path(args.checkpoint) / "last.pt").is_file()):
+        # The launcher restarted the group after a failure (torchrun --max-restarts): go on from
+        # the checkpoint the failed attempt wrote, as a rerun with --resume would.
+        args.resume = True
+        if info.rank == 0:
+            print(f"ngra train: restart {info.restart_count} by the launcher: resuming from "
+                  f"{Path(args.checkpoint) / 'last.pt'}", file=sys.stderr, flush=True)
 
     config = TrainConfig(
         model=args.model, dataset=args.dataset, data_dir=args.data_dir,
@@ -239,7 +252,7 @@ def _launch(args) -> int:
     if args.save_model:
         _check_writable(Path(args.save_model), "--save-model")
     try:
-        launch(["train", *args.argv], args.workers)
+        launch(["train", *args.argv], args.workers, max_restarts=args.max_restarts)
     except Exception as e:  # ChildFailedError: the workers' own errors are printed above
         raise _user("train", f"a worker failed ({_failure(e)}); see its error above") from e
     return 0

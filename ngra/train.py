@@ -585,9 +585,6 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
     kwargs = dict(forward_kwargs or {})
     workers = _workers(d.graph)  # a worker's piece of a distributed graph: global loss and metrics
     if workers is not None:
-        if checkpoint is not None:
-            raise ConfigError("checkpoints of a run on several workers are not supported yet; "
-                              "leave out checkpoint (--checkpoint) or run on one worker")
         from .distributed import sync_gradients
 
         n_train = int(workers.allreduce_sum(torch.tensor([float(d.idx["train"].numel())]))[0])
@@ -597,6 +594,9 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
     optimizer, stopper, fingerprint = _training_objects(
         model, lr=lr, weight_decay=weight_decay, weight_decay_on=weight_decay_on, patience=patience,
         selection=selection, run_info=run_info)
+    if workers is not None:
+        # A checkpoint resumes only on as many workers: each has its own piece and RNG stream.
+        fingerprint["workers"] = workers.world_size
     ckpt_path = None if checkpoint is None else check_checkpoint_dir(checkpoint, resume=resume)
 
     # Compile every layer's program up front (train and eval mode), so that compilation is
@@ -607,16 +607,27 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
     history: list[EpochStats] = []
     start, finished, resumed_from = 0, False, None
     if ckpt_path is not None and resume:
-        history, start, finished = _resume(ckpt_path, model, optimizer, stopper, fingerprint)
+        history, start, finished = _resume(ckpt_path, model, optimizer, stopper, fingerprint,
+                                           rank=None if workers is None else workers.rank)
         resumed_from = start
 
     def save(epoch, stopped):
-        if ckpt_path is not None:
-            _save_checkpoint(ckpt_path, {
-                "format": _FORMAT, "version": _VERSION, "epoch": epoch, "stopped_early": stopped,
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "stopper": stopper.state_dict(), "rng": _get_rng_state(),
-                "history": [dataclasses.asdict(h) for h in history], "fingerprint": fingerprint})
+        if ckpt_path is None:
+            return
+        rng = _get_rng_state()
+        extra = {}
+        if workers is not None:
+            # The model, optimizer and stopper are the same on every worker (gradients are
+            # summed before each step); the RNG streams are not (each draws for its own piece).
+            extra["worker_rng"] = workers.gather_objects(rng)
+            if workers.rank != 0:
+                return
+        _save_checkpoint(ckpt_path, {
+            "format": _FORMAT, "version": _VERSION, "epoch": epoch, "stopped_early": stopped,
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "stopper": stopper.state_dict(), "rng": rng,
+            "history": [dataclasses.asdict(h) for h in history], "fingerprint": fingerprint,
+            **extra})
 
     step_times = []
     cuda = device.type == "cuda"
@@ -835,7 +846,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     ``weights_only=True``: a checkpoint is data, loading one runs no code from it), then its
     structure: the keys ``epoch`` (int >= 1), ``stopped_early``, ``model`` (a state dict),
     ``optimizer``, ``stopper``, ``rng``, ``history`` (one record per epoch) and ``fingerprint``
-    (the run's settings). Raises :class:`CheckpointError`, naming the file, for anything else:
+    (the run's settings; ``workers``: K for a run on several workers, whose checkpoint also has
+    ``worker_rng``, each worker's RNG states in rank order). Raises :class:`CheckpointError`, naming the file, for anything else:
     a flipped bit, a file cut short, another file, a state edited into values no run writes.
     Whether the state fits a given model is checked when :func:`fit` resumes from it.
     """
@@ -940,6 +952,14 @@ def _check_state(state, path: Path) -> None:
     if not isinstance(state["fingerprint"], dict):
         raise bad("a 'fingerprint' that is not a dict of the run's settings")
     _check_rng_state(state["rng"], bad)
+    every = state.get("worker_rng")
+    if every is not None:
+        workers = state["fingerprint"].get("workers")
+        if not isinstance(every, list) or len(every) != workers:
+            n = len(every) if isinstance(every, list) else type(every).__name__
+            raise bad(f"RNG states of {n} workers for a run on {_short(workers)} (expected one each)")
+        for r in every:
+            _check_rng_state(r, bad)
 
 
 def _check_rng_state(rng, bad) -> None:
@@ -985,12 +1005,21 @@ def _training_objects(model, *, lr, weight_decay, weight_decay_on, patience, sel
     return optimizer, stopper, fingerprint
 
 
-def _resume(path: Path, model, optimizer, stopper, fingerprint) -> tuple[list[EpochStats], int, bool]:
+def _resume(path: Path, model, optimizer, stopper, fingerprint, *,
+            rank: int | None = None) -> tuple[list[EpochStats], int, bool]:
     """Load and verify the checkpoint ``path``, check it fits this run, and restore the model,
-    optimizer, stopper and the global RNGs from it. Returns ``(history, epoch, stopped_early)``.
-    Nothing is restored unless every check passed."""
+    optimizer, stopper and the global RNGs from it (worker ``rank``'s, for a run on several
+    workers). Returns ``(history, epoch, stopped_early)``. Nothing is restored unless every check
+    passed."""
     state = load_checkpoint(path)
     _check_fingerprint(state["fingerprint"], fingerprint, path)
+    rng = state["rng"]
+    if rank is not None:
+        every = state.get("worker_rng")
+        if every is None or len(every) != fingerprint.get("workers"):
+            raise CheckpointError(f"{path} has no RNG state for each of the "
+                                  f"{fingerprint.get('workers')} workers; {_FIX}")
+        rng = every[rank]
     saved_opt, epoch = state["optimizer"], state["epoch"]
     now_groups = optimizer.state_dict()["param_groups"]
     if len(saved_opt["param_groups"]) != len(now_groups):
@@ -1034,7 +1063,7 @@ def _resume(path: Path, model, optimizer, stopper, fingerprint) -> tuple[list[Ep
         raise CheckpointError(f"{path} does not fit this model ({type(e).__name__}: "
                               f"{_clip(' '.join(str(e).split()), 200)}); {_FIX}") from e
     stopper.load_state_dict(state["stopper"])
-    _set_rng_state(state["rng"])
+    _set_rng_state(rng)
     return [EpochStats(**h) for h in state["history"]], int(epoch), bool(state["stopped_early"])
 
 
@@ -1208,9 +1237,6 @@ def _distribute(config: TrainConfig, data, kwargs: dict, engine_ctx, device):
     info = worker_info()
     if not info.distributed:
         return data, kwargs
-    if config.checkpoint is not None:
-        raise ConfigError("--checkpoint with several workers is not supported yet; leave it out "
-                          "or train on one worker")
     if not isinstance(engine_ctx, contextlib.nullcontext):
         raise ConfigError("streaming (--num-chunks / --memory-budget) inside each of several "
                           "workers is not supported yet; leave it out or train on one worker")
@@ -1293,6 +1319,8 @@ def setup(config: TrainConfig, *, data=None):
                 "normalize_features": normalized, "build": build_arguments(config, full, hp)}
     if config.model == "gat":
         run_info["heads"] = hp.heads
+    if _workers(data.graph) is not None:
+        run_info["partition"] = config.partition
     if config.dataset_options:
         run_info["dataset_options"] = {k: config.dataset_options[k] for k in sorted(config.dataset_options)}
     fit_kwargs = dict(epochs=hp.epochs, lr=hp.lr, weight_decay=hp.weight_decay,

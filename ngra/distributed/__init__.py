@@ -13,7 +13,8 @@ Every zoo model's outputs, loss and parameter gradients equal the single-process
 1-4 workers, with random / contiguous / METIS partitions, a worker without vertices and one
 without in-edges). Layers that mix rows across vertices or edges (batch norm in training, dim-0
 reductions) are refused on a ``DistGraph``; dropout masks depend on the partition (a piece
-numbers its rows locally). Not supported yet: checkpoints and resume with several workers, a
+numbers its rows locally). ``ngra train --checkpoint`` works on several workers (each worker's
+RNG states are kept; resume is bit for bit, also after an elastic restart). Not supported yet: a
 streaming engine inside a worker, NGra's ring chunk sharing, overlapping the exchange with
 compute, and reading pieces from a chunk store (every worker reads the whole graph to cut its
 piece).

@@ -373,6 +373,14 @@ class Transport:
         else:
             region._written += 1
 
+    def gather_objects(self, obj) -> list:
+        """Collective: every worker's ``obj`` (picklable; small things such as RNG states), in
+        rank order, on every worker."""
+        out = [None] * self.world_size
+        self._collective("all_gather_object", dist.all_gather_object, out, obj,
+                         group=self._cpu_group)
+        return out
+
     def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a small CPU tensor over the workers in place (through the gloo group, whatever
         the data backend); for counts and metrics."""
