@@ -199,6 +199,14 @@ class FusedAdam(torch.optim.Optimizer):
                         amsgrad=amsgrad, decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
         self._ddp = ddp_model
+        # First, before any side effect (tensor hooks, a new process group): DDP refuses a
+        # second comm hook, on every rank alike.
+        try:
+            ddp_model.register_comm_hook(None, self._hook)
+        except RuntimeError as e:
+            raise RuntimeError("FusedAdam: could not register its comm hook on the DDP model "
+                               f"({e}); a DDP model takes one comm hook, so create FusedAdam on "
+                               "a model without register_comm_hook / another FusedAdam") from e
         self._group = ddp_model.process_group
         self.world = dist.get_world_size(self._group)
         self.rank = dist.get_rank(self._group)
@@ -220,17 +228,10 @@ class FusedAdam(torch.optim.Optimizer):
         self._inflight: deque = deque()  # reduce-scatters launched, Adam not done yet
         self._gathers: list = []        # (layout, out [K * W], work, launched, done_at)
         self._phase = "idle"            # idle -> backward (hooks running) -> ready -> step
-        self._expected_bucket = 0
         self.profile = profile
         self.stats: list = []           # one dict per step with profile=True
         self._cur: dict = {}
         self._waiters: list = []
-        try:
-            ddp_model.register_comm_hook(None, self._hook)
-        except RuntimeError as e:
-            raise RuntimeError("FusedAdam: could not register its comm hook on the DDP model "
-                               f"({e}); a DDP model takes one comm hook, so create FusedAdam on "
-                               "a model without register_comm_hook / another FusedAdam") from e
 
     # -- user API --------------------------------------------------------------------------
 

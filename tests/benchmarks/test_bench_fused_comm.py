@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "fused_comm.py"
 
 
+@pytest.mark.slow  # 3 spawned interpreters and 3 models: about 10 s on 2 cores
 def test_fused_comm_benchmark_tiny(tmp_path):
     res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--workers", "2", "--steps",
                           "2", "--warmup", "1", "--bucket-cap-mb", "0.05", "--no-progress",
