@@ -159,9 +159,10 @@ def run_lm(args) -> dict:
         cells = ("-", "-", "-") if hit is None else (str(hit[0]), f"{hit[1]:.1f}",
                                                      f"{hit[2] / 1e9:.1f}")
         act = r["active"]
+        balance = "-" if kind == "dense" else f"{r['balance']:.2f}"
         print(f"| {kind} | {r['params']:,} | {r['final']:.3f} | {cells[0]} | {cells[1]} | "
               f"{cells[2]} | {last[1] / args.steps * 1e3:.0f} ms | {act[0][1]:.2f} -> "
-              f"{act[-1][1]:.2f} | {'-' if kind == 'dense' else f"{r['balance']:.2f}"} |")
+              f"{act[-1][1]:.2f} | {balance} |")
     sw, dts = results["switch"]["reach"], results["dts"]["reach"]
     if sw and dts:
         print(f"\nDTS vs Switch to ppl {target:.3f}: {sw[0] / dts[0]:.2f}x fewer steps, "
@@ -190,7 +191,8 @@ def run_gnn(args) -> dict:
     from ngra.nn import MoEConv, SAGEConv
     from ngra.nn.moe import aux_loss, dts_temperature, set_temperature
 
-    data = ngra.datasets.load(args.gnn_dataset, root=args.data_dir)
+    # Row-normalized bag-of-words features (raw counts made training erratic: 0.11-0.66 test).
+    data = ngra.datasets.load(args.gnn_dataset, root=args.data_dir, normalize_features=True)
     g, x, y = data.graph, data.x, data.y
     classes = int(y.max()) + 1
     out = {}
