@@ -14,9 +14,9 @@ from . import profile
 from .engine import Engine
 from .graph import Graph
 from .ir import IR, IRError
-from .program import NgraWarning, Program, VertexProgram, compile
+from .program import NgraWarning, Program, VertexProgram, compile, eager
 
 __version__ = "0.1.0"
 
-__all__ = ["Graph", "VertexProgram", "Program", "compile", "fn", "Engine", "datasets", "nn", "profile", "IR",
+__all__ = ["Graph", "VertexProgram", "Program", "compile", "eager", "fn", "Engine", "datasets", "nn", "profile", "IR",
            "IRError", "NgraWarning"]

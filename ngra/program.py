@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
 from typing import Any, Mapping
 
@@ -9,14 +11,33 @@ import torch
 
 from . import function as fn
 from . import profile
-from .executor import GraphOps, propagate_shapes, run_eager, run_ir
+from .batch import EdgeBatch, VertexBatch, check_scatter
+from .executor import GraphOps, _inference_of, propagate_shapes, run_eager, run_ir
 from .graph import Graph
 from .ir import IR
 from .ir import Node as IRNode
 from .passes import optimize
 from .trace import TraceFailure, trace
 
-__all__ = ["VertexProgram", "Program", "compile", "NgraWarning"]
+__all__ = ["VertexProgram", "Program", "compile", "eager", "NgraWarning"]
+
+_EAGER = threading.local()
+
+
+@contextlib.contextmanager
+def eager(enabled: bool = True):
+    """Run every vertex program called inside the block eagerly, for debugging: ``scatter``,
+    ``apply_edge`` and ``apply_vertex`` run on the real tensors at every call ([E, ...] messages
+    for the real graph, so ``print()`` shows values and an exception's traceback ends at your
+    line), with no tracing, no lift/fuse and in memory (an active ``ngra.Engine`` is not used).
+    Results and gradients equal the compiled run's, up to float rounding. One layer alone:
+    set ``layer.eager = True``. ``eager(False)`` turns it off inside an outer block."""
+    before = getattr(_EAGER, "on", False)
+    _EAGER.on = bool(enabled)
+    try:
+        yield
+    finally:
+        _EAGER.on = before
 
 
 class NgraWarning(UserWarning):
@@ -51,6 +72,8 @@ class VertexProgram(torch.nn.Module):
     """
 
     gather: Any = "sum"
+    #: run this layer's SAGA functions eagerly on real tensors (see :func:`ngra.eager`)
+    eager: bool = False
 
     def __init__(self, gather=None):
         super().__init__()
@@ -79,7 +102,14 @@ class VertexProgram(torch.nn.Module):
     def propagate(self, g: Graph, vdata, edata=None):
         """Run Scatter -> ApplyEdge -> Gather -> ApplyVertex on graph ``g``."""
         vdata, edata = check_inputs(self, g, vdata, edata)
-        program = self.program_for(vdata, edata)
+        if self.eager or getattr(_EAGER, "on", False):
+            if getattr(g, "graph_ops", None) is not None:
+                raise NotImplementedError(f"{type(self).__name__}: eager mode on a worker's piece of "
+                                          "a distributed graph is not supported; debug the layer on "
+                                          "an ngra.Graph")
+            ops = GraphOps(g.in_csr(), "auto")
+            return check_output(self, run_eager(self, ops, vdata, edata, _reducer_name(self.gather)), g)
+        program = self.program_for(vdata, edata, g)
         from .engine import current_engine  # the streaming engine, when one is active
         engine = current_engine()
         if engine is not None:
@@ -91,12 +121,14 @@ class VertexProgram(torch.nn.Module):
             return check_output(self, engine.run(program, g, vdata, edata), g)
         return program.run(g, vdata, edata, checked=True)
 
-    def program_for(self, vdata: dict, edata: dict) -> "Program":
+    def program_for(self, vdata: dict, edata: dict, g: Graph | None = None) -> "Program":
+        """The compiled program for this input signature (``g``: the graph of the call, used only
+        to rerun a layer that fails to compile on real data, so its error is about that data)."""
         key = (self.training, _signature(vdata), _signature(edata))
         programs = self.__dict__.setdefault("_programs", {})
         prog = programs.get(key)
         if prog is None:
-            prog = programs[key] = Program(self, vdata, edata)
+            prog = programs[key] = Program(self, vdata, edata, graph=g)
         return prog
 
     def __getstate__(self):
@@ -158,18 +190,37 @@ def check_output(layer, out, g: Graph):
     return out
 
 
-def _check_message(layer, ir: IR) -> None:
-    """The traced ``apply_edge`` must return one row per edge (shape propagation knows)."""
+def _check_message(layer, ir: IR, real=None) -> None:
+    """The traced ``apply_edge`` must return one row per edge (shape propagation knows).
+    ``real``: ``(graph, vdata, edata)`` of the call, to report the message's shape on the real
+    graph rather than on the sample graph shapes were propagated with."""
     for n in ir.nodes:
         if n.op == "gather" and n.args[0].domain != "edge":
             m = n.args[0]
             shape = "[" + ", ".join(map(str, m.shape)) + "]" if m.shape is not None else "no tensor"
+            got = _real_message_shape(layer, *real) if real is not None else None
+            if got is not None:
+                shape = f"[{', '.join(map(str, got))}] for a graph with {real[0].num_edges} edges"
             where = f" at {m.source}" if m.source else ""
             raise ValueError(
                 f"{type(layer).__name__}.apply_edge must return one row per edge: expected shape "
                 f"[E, ...] (got {shape}, %{m.name} = {m.format().split(' = ', 1)[1]}{where}). A "
                 "reduction over dim 0 (m.sum(0), m.mean(0)) has one row for all edges: reduce over "
                 "a feature dim, or broadcast it back (m - m.mean(0, keepdim=True))")
+
+
+def _real_message_shape(layer, graph, vdata, edata):
+    """The shape ``apply_edge`` returns on the real inputs, or None if that cannot be run."""
+    if graph is None or getattr(graph, "graph_ops", None) is not None:
+        return None
+    try:
+        with _inference_of(layer):
+            ops = GraphOps(graph.in_csr(), "auto")
+            v = VertexBatch(vdata)
+            msg = layer.apply_edge(EdgeBatch(ops, check_scatter(layer, layer.scatter(v)), edata))
+        return tuple(msg.shape) if isinstance(msg, torch.Tensor) else None
+    except Exception:  # noqa: BLE001 - only a better message is lost
+        return None
 
 
 class Program:
@@ -180,7 +231,8 @@ class Program:
     layer's functions directly, which is correct but unoptimized.
     """
 
-    def __init__(self, layer: VertexProgram, vdata: dict, edata: dict, *, optimize_ir: bool = True):
+    def __init__(self, layer: VertexProgram, vdata: dict, edata: dict, *, optimize_ir: bool = True,
+                 graph: Graph | None = None):
         self.layer = layer
         self.reduce = _reducer_name(layer.gather)
         self.vsig = {k: (tuple(t.shape[1:]), t.dtype) for k, t in vdata.items()}
@@ -202,10 +254,13 @@ class Program:
         try:
             propagate_shapes(raw, layer, self.vsig, self.esig)
         except Exception as e:
-            _check_message(layer, raw)  # clearer: apply_edge returned no row per edge
+            real = (graph, vdata, edata)
+            _check_message(layer, raw, real)  # clearer: apply_edge returned no row per edge
+            if graph is not None and getattr(graph, "graph_ops", None) is None:
+                _rerun_eagerly(layer, graph, vdata, edata, self.reduce)
             raise type(e)(f"{type(layer).__name__} failed on a sample batch with inputs "
                           f"{_describe_sig(self.vsig, self.esig)}: {e}\ntraced IR:\n{raw}") from e
-        _check_message(layer, raw)
+        _check_message(layer, raw, (graph, vdata, edata))
         self.raw_ir = raw
         self.ir = optimize(raw) if optimize_ir else raw
 
@@ -236,6 +291,30 @@ class Program:
         return f"{head}\n{self.ir}"
 
 
+def _rerun_eagerly(layer, graph: Graph, vdata: dict, edata: dict, reduce: str) -> None:
+    """Compiling ``layer`` failed with ``error`` while running its traced IR on a small sample
+    graph: run its SAGA functions eagerly on the real inputs, so that an error in the user's code
+    is raised from the user's own line, about the real graph's sizes, with a note saying where.
+    Returns (and the caller raises the sample run's error) if the eager run succeeds."""
+    try:
+        with _inference_of(layer):
+            run_eager(layer, GraphOps(graph.in_csr(), "auto"), vdata, edata, reduce)
+    except Exception as real:  # noqa: BLE001 - the user's own exception, re-raised as it is
+        real.__suppress_context__ = True  # the sample run's error is the same fault, less clear
+        note = (f"ngra: {type(layer).__name__} could not be compiled; its scatter / apply_edge / "
+                f"apply_vertex were run eagerly on the real inputs {_describe_sig(*_sigs(vdata, edata))} "
+                f"of a graph with {graph.num_nodes} vertices and {graph.num_edges} edges (E), and "
+                f"raised this. Wrap the call in `with ngra.eager():` to step through it.")
+        if hasattr(real, "add_note"):
+            real.add_note(note)
+        raise
+
+
+def _sigs(vdata: dict, edata: dict):
+    return ({k: (tuple(t.shape[1:]), t.dtype) for k, t in vdata.items()},
+            {k: (tuple(t.shape[1:]), t.dtype) for k, t in edata.items()})
+
+
 _EAGER_NODE = IRNode("eager", "call_function", None, domain="vertex", stage="Eager")
 
 
@@ -250,4 +329,4 @@ def compile(layer: VertexProgram, g: Graph, vdata, edata=None) -> Program:  # no
     if not isinstance(layer, VertexProgram):
         raise TypeError(f"ngra.compile expects an ngra.VertexProgram (got {type(layer).__name__})")
     vdata, edata = check_inputs(layer, g, vdata, edata)
-    return layer.program_for(vdata, edata)
+    return layer.program_for(vdata, edata, g)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import pytest
 import torch
@@ -114,8 +115,24 @@ def test_shape_errors_name_the_layer_and_inputs(g):
         def apply_edge(self, e):
             return self.lin(e.src["h"])  # h has 3 features, lin expects 5
 
-    with pytest.raises(RuntimeError, match=r"Bad failed on a sample batch with inputs \{v.h\[N, 3\]\}"):
+    # The user's own error, from the user's line, about the real graph (g has 10 vertices and
+    # E edges: the [E, 3] messages), not about the sample graph the IR was first run on.
+    with pytest.raises(RuntimeError, match=rf"\({g.num_edges}x3 and 5x2\)") as info:
         Bad()(g, torch.zeros(10, 3))
+    assert any(t.name == "apply_edge" and t.path.name == "test_errors.py" for t in info.traceback)
+    if sys.version_info >= (3, 11):
+        assert ("ngra: Bad could not be compiled; its scatter / apply_edge / apply_vertex were run "
+                f"eagerly on the real inputs {{v.h[N, 3]}} of a graph with 10 vertices and "
+                f"{g.num_edges} edges (E)") in info.value.__notes__[0]
+
+    class Sampled(Bad):  # fails on the sample graph only (23 edges there): the IR is shown
+        def apply_edge(self, e):
+            m = e.src["h"]
+            return torch.cat([m, m], 1).view(-1, 10, 6)[0]  # right only for 10 edges
+
+    with pytest.raises(RuntimeError, match=r"Sampled failed on a sample batch with inputs "
+                                           r"\{v.h\[N, 3\]\}"):
+        Sampled()(ngra.Graph(torch.arange(10), torch.arange(10) % 7, 10), torch.zeros(10, 3))
 
 
 def test_compile_rejects_non_vertex_programs(g):
@@ -169,7 +186,7 @@ def test_apply_edge_must_return_one_row_per_edge_when_traced(g):
             return e.src["h"].mean(0, keepdim=True)
 
     with pytest.raises(ValueError, match=r"Bad.apply_edge must return one row per edge: expected "
-                       r"shape \[E, ...\] \(got \[1, 3\], %mean = %h_src.mean\(0, keepdim=True\) at "
+                       rf"shape \[E, ...\] \(got \[1, 3\] for a graph with {g.num_edges} edges, %mean = %h_src.mean\(0, keepdim=True\) at "
                        r"test_errors.py:\d+ in apply_edge: return e.src\[\"h\"\].mean\(0, "
                        r"keepdim=True\)\)\. A reduction over dim 0"):
         Bad()(g, torch.zeros(10, 3))
