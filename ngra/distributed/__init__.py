@@ -20,9 +20,9 @@ compute, and reading pieces from a chunk store (every worker reads the whole gra
 piece).
 """
 
+from .fused import FusedAdam
 from .graph import PARTITION_METHODS, DistGraph, partition, sync_gradients
 from .transport import ExchangePlan, Region, Transport, TransportError
 
 __all__ = ["Transport", "Region", "ExchangePlan", "TransportError", "DistGraph", "partition",
-           "sync_gradients", "PARTITION_METHODS"]
-from .fused import FusedAdam  # noqa: E402  reduce-scatter + sharded Adam + all-gather DDP hook
+           "sync_gradients", "PARTITION_METHODS", "FusedAdam"]
