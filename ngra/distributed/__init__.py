@@ -16,8 +16,9 @@ reductions) are refused on a ``DistGraph``; dropout masks depend on the partitio
 numbers its rows locally). ``ngra train --checkpoint`` works on several workers (each worker's
 RNG states are kept; resume is bit for bit, also after an elastic restart). Not supported yet: a
 streaming engine inside a worker, NGra's ring chunk sharing, overlapping the exchange with
-compute, and reading pieces from a chunk store (every worker reads the whole graph to cut its
-piece).
+compute. ``DistGraph.from_store`` reads a worker's piece from an on-disk chunk store (only
+the chunk columns of its vertex intervals: their in-edges); ``ngra train`` still reads the whole
+graph in every worker and cuts it.
 """
 
 from .fused import FusedAdam

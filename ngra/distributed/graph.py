@@ -191,7 +191,7 @@ class DistGraph(Graph):
     ``x[dg.global_ids]`` are its rows of a global vertex tensor) and ``edge_ids`` [E_local] the
     global ids of its edges (``feat[dg.edge_ids]``: its rows of an edge tensor)."""
 
-    __slots__ = ("_num_src", "_halo", "global_ids", "edge_ids", "halo_ids")
+    __slots__ = ("_num_src", "_halo", "global_ids", "edge_ids", "halo_ids", "store_rows")
 
     @classmethod
     def from_global(cls, g: Graph, parts, transport: Transport) -> "DistGraph":
@@ -241,16 +241,104 @@ class DistGraph(Graph):
         return dg
 
     @classmethod
+    def from_store(cls, store, transport: Transport) -> "DistGraph":
+        """This worker's piece of the graph in chunk store ``store`` (a
+        :class:`partition.ChunkStore` or its path), reading only its own edges.
+
+        The store's P vertex intervals are split into K contiguous runs of about equal weight
+        (in-edges plus vertices), one per worker in rank order; worker r reads the chunk columns
+        of its intervals, which are exactly the in-edges of its vertices (NGra's column
+        ownership), and nothing else of the edge files. Its own vertices are its intervals' new
+        ids (the store's ordering) in order; ``global_ids`` / ``halo_ids`` are their original
+        ids (``x[dg.global_ids]`` are its rows of a tensor in the graph's original order) and
+        ``edge_ids`` the original edge ids. The ordering (8 bytes per vertex) is read whole; a
+        vertex array's rows are :meth:`read_rows` away. Same results as :meth:`from_global`
+        with the assignment :meth:`store_parts` gives."""
+        from partition import ChunkStore
+
+        if not isinstance(store, ChunkStore):
+            store = ChunkStore.open(store, verify="lazy", mmap=False)
+        K, r = transport.world_size, transport.rank
+        runs = cls.store_runs(store, K)
+        bounds = np.asarray(store.bounds, dtype=np.int64)
+        owner_lo = bounds[runs]  # [K + 1] new-id bounds of every worker's vertices
+        lo, hi = int(owner_lo[r]), int(owner_lo[r + 1])
+        n = hi - lo
+        srcs, dsts, eids = [], [], []
+        for j in range(int(runs[r]), int(runs[r + 1])):
+            for i in range(store.num_intervals):
+                if store.counts[i, j]:
+                    c = store.chunk(i, j)
+                    srcs.append(c.global_src())
+                    dsts.append(c.global_dst())
+                    eids.append(np.asarray(c.eids, dtype=np.int64))
+        cat = (lambda a: np.concatenate(a) if a else np.zeros(0, np.int64))
+        s, d, e = cat(srcs), cat(dsts), cat(eids)
+        s_owner = np.searchsorted(owner_lo, s, side="right") - 1
+        foreign = s_owner != r
+        # Halo: foreign sources, grouped by owner, then by (new) id; owners number their own
+        # vertices in new-id order, so a halo row's id at its owner is new id - owner's start.
+        n_all = store.num_nodes
+        key = np.unique(s_owner[foreign] * n_all + s[foreign])
+        halo = key % max(n_all, 1)
+        halo_owner = key // max(n_all, 1)
+        src_ext = s - lo
+        src_ext[foreign] = n + np.searchsorted(key, s_owner[foreign] * n_all + s[foreign])
+        need = {int(p): torch.from_numpy(halo[halo_owner == p] - owner_lo[p])
+                for p in np.unique(halo_owner)}
+        dg = cls._make(torch.from_numpy(src_ext), torch.from_numpy(d - lo), n, n + halo.size,
+                       _Halo(transport, n, need))
+        perm = np.asarray(store.ordering.perm)
+        dg.global_ids = torch.from_numpy(perm[lo:hi].astype(np.int64))
+        dg.halo_ids = torch.from_numpy(perm[halo].astype(np.int64))
+        dg.edge_ids = torch.from_numpy(e)
+        dg.store_rows = (lo, hi)
+        return dg
+
+    @staticmethod
+    def store_runs(store, num_workers: int) -> np.ndarray:
+        """[K + 1] interval bounds: worker r gets intervals ``runs[r]:runs[r + 1]`` of ``store``
+        (contiguous, about equal in-edges plus vertices each)."""
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1 (got {num_workers!r})")
+        sizes = np.diff(np.asarray(store.bounds, dtype=np.int64))
+        weight = np.asarray(store.counts, dtype=np.int64).sum(0) + sizes
+        cum = np.concatenate([[0], np.cumsum(weight)])
+        cuts = np.searchsorted(cum, np.linspace(0, cum[-1], num_workers + 1)[1:-1], side="left")
+        return np.concatenate([[0], np.minimum(cuts, len(sizes)), [len(sizes)]]).astype(np.int64)
+
+    @classmethod
+    def store_parts(cls, store, num_workers: int) -> torch.Tensor:
+        """The assignment :meth:`from_store` uses, as :func:`partition` gives one: the worker of
+        every vertex [N] (original ids)."""
+        runs = cls.store_runs(store, num_workers)
+        bounds = np.asarray(store.bounds, dtype=np.int64)
+        new_owner = np.searchsorted(bounds[runs], np.arange(store.num_nodes), side="right") - 1
+        parts = np.empty(store.num_nodes, dtype=np.int64)
+        parts[np.asarray(store.ordering.perm)] = new_owner
+        return torch.from_numpy(parts)
+
+    def read_rows(self, store, name: str) -> torch.Tensor:
+        """This worker's rows of vertex array ``name`` of the store it was read from (a
+        :meth:`from_store` piece only), read with ``pread``: [n, ...] in the piece's order."""
+        rows = getattr(self, "store_rows", None)
+        if rows is None:
+            raise ValueError("read_rows needs a piece made by DistGraph.from_store; index the "
+                             "global tensor with dg.global_ids instead")
+        return torch.from_numpy(store.read_rows(name, *rows))
+
+    @classmethod
     def _make(cls, src, dst, n: int, num_src: int, halo: _Halo) -> "DistGraph":
         dg = cls.__new__(cls)
         dg._src, dg._dst, dg._num_nodes, dg._in_csr = src, dst, int(n), None
         dg._num_src, dg._halo = int(num_src), halo
-        dg.global_ids = dg.edge_ids = dg.halo_ids = None
+        dg.global_ids = dg.edge_ids = dg.halo_ids = dg.store_rows = None
         return dg
 
     def _derive(self, src, dst, edge_ids) -> "DistGraph":
         dg = DistGraph._make(src, dst, self._num_nodes, self._num_src, self._halo)
         dg.global_ids, dg.halo_ids, dg.edge_ids = self.global_ids, self.halo_ids, edge_ids
+        dg.store_rows = self.store_rows
         return dg
 
     # -- what differs from a Graph ----------------------------------------------------------
