@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -54,10 +52,7 @@ def _overlap(intervals, end) -> tuple:
     return before, total
 
 
-def _worker(rank, world, folder, cfg):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import datetime
-
+def _worker(rank, world, cfg):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -65,9 +60,6 @@ def _worker(rank, world, folder, cfg):
     from ngra.distributed.fused import FusedAdam
     from ngra.nn.transformer import GPT
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=600))
     if cfg["bucket_cap_mb"] is not None:
         # torch 2.2 sizes the first bucket by this global instead of bucket_cap_mb.
         dist._DEFAULT_FIRST_BUCKET_BYTES = int(cfg["bucket_cap_mb"] * 2 ** 20)
@@ -152,29 +144,13 @@ def _worker(rank, world, folder, cfg):
            "max_diff": diff, "max_abs": scale,
            "mode": f"{runs['fused'][1].reduce_scatter_mode}/{runs['fused'][1].all_gather_mode}",
            "params": sum(p.numel() for p in ref_model.module.parameters())}
-    Path(folder, f"rank{rank}.json").write_text(json.dumps(out))
-    os._exit(0)  # no process-group teardown: it can wait on a peer
+    return json.loads(json.dumps(out))  # plain Python data for the parent
 
 
 def _spawn(world, cfg, timeout) -> list:
-    import multiprocessing as mp
+    from ngra.distributed.launch import spawn
 
-    with tempfile.TemporaryDirectory(prefix="ngra-fused-bench-") as folder:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, world, folder, cfg)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        files = [Path(folder, f"rank{r}.json") for r in range(world)]
-        if not all(f.exists() for f in files):
-            raise RuntimeError(f"K={world}: a worker failed or ran past {timeout:g} s (exit codes "
-                               f"{[p.exitcode for p in procs]})")
-        return [json.loads(f.read_text()) for f in files]
+    return spawn(_worker, world, cfg, timeout=timeout, pg_timeout=600.0)
 
 
 def _summary(results) -> dict:

@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -254,36 +252,25 @@ def _ep_tokens(args):
     return torch.randn(args.ep_tokens, args.ep_d, generator=gen)
 
 
-def _ep_worker(rank, world, folder, args, queue):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import datetime
-
+def _ep_worker(rank, world, args):
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=120))
-        from ngra.distributed.moe import ExpertParallelMoE, sync_replicated_gradients
-        ep = ExpertParallelMoE.from_moe(_ep_layer(args))
-        x = _ep_tokens(args).chunk(world)[rank].clone().requires_grad_(True)
-        times = []
-        for _ in range(args.ep_warmup + args.ep_reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            ep.zero_grad(set_to_none=True)
-            y = ep(x)
-            (y.square().mean() + 0.01 * ep.aux_loss).backward()
-            sync_replicated_gradients(ep)
-            times.append(time.perf_counter() - t0)
-        step = torch.tensor([statistics.median(times[args.ep_warmup:])])
-        dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a step ends when the slowest worker does
-        queue.put((rank, float(step), 2 * ep.last_comm["bytes_out"]))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, None, repr(e)))
-    queue.close()
-    queue.join_thread()  # the result must leave the feeder thread before os._exit
-    os._exit(0)  # no teardown wait on peers (see tests/ngra/distributed/distutil.py)
+    from ngra.distributed.moe import ExpertParallelMoE, sync_replicated_gradients
+
+    ep = ExpertParallelMoE.from_moe(_ep_layer(args))
+    x = _ep_tokens(args).chunk(world)[rank].clone().requires_grad_(True)
+    times = []
+    for _ in range(args.ep_warmup + args.ep_reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        ep.zero_grad(set_to_none=True)
+        y = ep(x)
+        (y.square().mean() + 0.01 * ep.aux_loss).backward()
+        sync_replicated_gradients(ep)
+        times.append(time.perf_counter() - t0)
+    step = torch.tensor([statistics.median(times[args.ep_warmup:])])
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a step ends when the slowest worker does
+    return float(step), 2 * ep.last_comm["bytes_out"]
 
 
 def _ep_single(args) -> float:
@@ -299,38 +286,14 @@ def _ep_single(args) -> float:
 
 
 def run_ep(args) -> dict:
-    import multiprocessing as mp
+    from ngra.distributed.launch import spawn
 
     rows = [(1, _ep_single(args), 0, 0)]
-    ctx = mp.get_context("spawn")
     for world in args.ep_workers:
-        with tempfile.TemporaryDirectory(prefix="ngra-moe-bench-") as folder:
-            queue = ctx.Queue()
-            procs = [ctx.Process(target=_ep_worker, args=(r, world, folder, args, queue),
-                                 daemon=True) for r in range(world)]
-            for p in procs:
-                p.start()
-            got = {}
-            deadline = time.monotonic() + args.ep_timeout
-            try:
-                while len(got) < world:
-                    r, step, nbytes = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-                    if step is None:
-                        raise RuntimeError(f"expert-parallel worker {r} of {world} failed: "
-                                           f"{nbytes}")
-                    got[r] = (step, nbytes)
-            except Exception as e:
-                for p in procs:
-                    p.kill()
-                if isinstance(e, RuntimeError):
-                    raise
-                raise RuntimeError(f"expert-parallel workers did not finish within "
-                                   f"{args.ep_timeout} s (killed)") from e
-            for p in procs:
-                p.join(10)
-            step = max(s for s, _ in got.values())
-            per_worker = [b for _, b in got.values()]
-            rows.append((world, step, statistics.fmean(per_worker), sum(per_worker)))
+        got = spawn(_ep_worker, world, args, timeout=args.ep_timeout)
+        step = max(s for s, _ in got)
+        per_worker = [b for _, b in got]
+        rows.append((world, step, statistics.fmean(per_worker), sum(per_worker)))
     print(f"\n## Expert parallelism: one MoE layer, {args.ep_tokens} tokens x d={args.ep_d}, "
           f"{args.ep_experts} experts (hidden {4 * args.ep_d}), Switch capacity 1.25; step = "
           "forward + backward + gradient sync, median of "

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorkerInfo", "worker_info", "init_from_env", "wait_for_peers", "launch", "local_record"]
+__all__ = ["WorkerInfo", "worker_info", "init_from_env", "wait_for_peers", "launch", "spawn",
+           "SpawnError", "local_record"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,96 @@ def launch(argv: list[str], nproc: int, *, max_restarts: int = 0,
                           rdzv_endpoint="localhost:0", max_restarts=max_restarts,
                           monitor_interval=0.5)
     return elastic_launch(config, sys.executable)("-m", module, *argv)
+
+
+class SpawnError(RuntimeError):
+    """A worker of :func:`spawn` raised, died or hung."""
+
+
+def spawn(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0,
+          expect_errors: bool = False, may_die: tuple = (), threads: int = 1) -> list:
+    """``[fn(rank, world_size, *args) for each rank]``, each on a fresh local process joined to
+    the others by a gloo process group, for tests and benchmarks.
+
+    Each worker is a new interpreter (multiprocessing "spawn") with ``threads`` torch threads,
+    joined through a FileStore in a temporary folder (no port to pick, so none to clash) on the
+    loopback interface; ``fn`` must be importable (a module-level function) and its result
+    picklable. Results come back as pickle files (a queue would pass tensors by file descriptors
+    that die with the worker). The call waits at most ``timeout`` seconds: a worker that hangs
+    or dies raises :class:`SpawnError` with its rank and its traceback or exit status, after
+    every worker is killed, so nothing hangs. A worker still running shortly before the limit
+    prints where it is stuck (faulthandler).
+
+    ``expect_errors``: a worker that raised gives its traceback (a str) in its slot instead of
+    failing the call. Ranks in ``may_die`` may exit without reporting (their slot is None).
+    """
+    import multiprocessing as mp
+    import pickle
+    import tempfile
+    import time
+    from pathlib import Path
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="ngra-spawn-") as folder:
+        procs = [ctx.Process(target=_spawned, args=(fn, r, world_size, folder, args, pg_timeout,
+                                                    max(1.0, timeout - 5.0), threads),
+                             daemon=True) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if hung:
+            raise SpawnError(f"worker(s) {hung} of {world_size} did not finish within "
+                             f"{timeout:g} s (killed)")
+        results, errors = [], []
+        for r, p in enumerate(procs):
+            path = Path(folder) / f"result.{r}"
+            if not path.exists():
+                if r not in may_die:
+                    errors.append(f"worker {r} died with exit status {p.exitcode} before reporting")
+                results.append(None)
+                continue
+            status, value = pickle.loads(path.read_bytes())
+            if status == "error" and not expect_errors:
+                errors.append(f"worker {r} raised:\n{value}")
+            results.append(value)
+        if errors:
+            raise SpawnError("\n".join(errors))
+        return results
+
+
+def _spawned(fn, rank: int, world_size: int, folder: str, args: tuple, pg_timeout: float,
+             dump_after: float, threads: int) -> None:
+    import faulthandler
+    import pickle
+    import traceback
+    from pathlib import Path
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    faulthandler.dump_traceback_later(dump_after, exit=False)
+    torch.set_num_threads(threads)
+    out = Path(folder) / f"result.{rank}"
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        payload = ("ok", fn(rank, world_size, *args))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        payload = ("error", traceback.format_exc())
+    tmp = out.with_name(f"{out.name}.tmp")
+    tmp.write_bytes(pickle.dumps(payload))
+    tmp.rename(out)
+    # Exit at once, without tearing the process group down (see wait_for_peers: torch 2.2's gloo
+    # can hang or abort doing that, and a peer may already be gone).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def local_record(data, dg):

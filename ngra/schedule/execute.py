@@ -217,63 +217,9 @@ def measured_problem(results, cfg: ExecConfig, *, resolution: float = 1e-4):
 
 
 def spawn(fn, world: int, *args, timeout: float = 300.0) -> list:
-    """``[fn(rank, world, *args)]`` on ``world`` fresh processes joined by gloo over a FileStore
-    (for the benchmark; tests use tests/ngra/distributed/distutil.py). Each result comes back as a
-    pickle file (a queue would share tensors through file descriptors that die with the worker).
-    Kills every worker and raises if one fails or the run exceeds ``timeout`` seconds."""
-    import multiprocessing as mp
-    import pickle
-    import tempfile
-    from pathlib import Path
+    """``[fn(rank, world, *args)]`` on ``world`` fresh processes joined by gloo: see
+    :func:`ngra.distributed.launch.spawn` (raises its SpawnError if a worker fails or the run
+    exceeds ``timeout`` seconds)."""
+    from ngra.distributed.launch import spawn as _spawn
 
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="ngra-sched-") as folder:
-        procs = [ctx.Process(target=_spawned, args=(fn, r, world, folder, args), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        if hung:
-            raise TimeoutError(f"worker(s) {hung} did not finish within {timeout:g} s (killed)")
-        out = []
-        for r in range(world):
-            path = Path(folder) / f"result.{r}"
-            if not path.exists():
-                raise RuntimeError(f"worker {r} died (exit status {procs[r].exitcode}) "
-                                   f"before reporting")
-            status, value = pickle.loads(path.read_bytes())
-            if status != "ok":
-                raise RuntimeError(f"worker {r} raised:\n{value}")
-            out.append(value)
-        return out
-
-
-def _spawned(fn, rank, world, folder, args):
-    import datetime
-    import os
-    import pickle
-    import traceback
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=120))
-        payload = ("ok", fn(rank, world, *args))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        payload = ("error", traceback.format_exc())
-    tmp = os.path.join(folder, f"result.{rank}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(pickle.dumps(payload))
-    os.rename(tmp, os.path.join(folder, f"result.{rank}"))
-    # No process-group teardown: it waits for peers that may already be gone.
-    os._exit(0)
+    return _spawn(fn, world, *args, timeout=timeout, pg_timeout=120.0)

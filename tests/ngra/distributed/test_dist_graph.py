@@ -63,15 +63,23 @@ def _reference(name):
 
 
 def _worker(rank, world, method, parts):
-    import torch.distributed as dist
+    from ngra.distributed import DistGraph, Transport, partition
 
-    from ngra.distributed import DistGraph, Transport, partition, sync_gradients
-
-    g, x, y, train, extra = _problem()
+    g = _problem()[0]
     t = Transport(timeout=60)
     if parts is None:
         parts = partition(g, world, method=method)
     dg = DistGraph.from_global(g, parts, t)
+    return dg.global_ids, dg.num_halo, _run_models(dg)
+
+
+def _run_models(dg):
+    """Every zoo model's output, global loss and synced gradients on the piece ``dg``."""
+    import torch.distributed as dist
+
+    from ngra.distributed import sync_gradients
+
+    _, x, y, train, extra = _problem()
     ids = dg.global_ids
     results = {}
     for name in MODELS:
@@ -83,7 +91,7 @@ def _worker(rank, world, method, parts):
         dist.all_reduce(total)
         results[name] = (out.detach(), float(total),
                          {k: p.grad.clone() for k, p in model.named_parameters()})
-    return ids, dg.num_halo, results
+    return results
 
 
 def _check(results):
@@ -168,12 +176,10 @@ def test_row_mixing_layers_are_refused_and_row_wise_ones_run():
 
 
 def _store_worker(rank, world, path):
-    import torch.distributed as dist
-
     from partition import ChunkStore
-    from ngra.distributed import DistGraph, Transport, sync_gradients
+    from ngra.distributed import DistGraph, Transport
 
-    g, x, y, train, extra = _problem()
+    g, x, _, _, _ = _problem()
     store = ChunkStore.open(path, verify="lazy", mmap=False)
     dg = DistGraph.from_store(store, Transport(timeout=60))
     ids = dg.global_ids
@@ -183,17 +189,7 @@ def _store_worker(rank, world, path):
     own[ids] = True
     assert sorted(dg.edge_ids.tolist()) == torch.nonzero(own[g.dst]).flatten().tolist()
     assert torch.equal(dg.read_rows(store, "x"), x[ids])
-    results = {}
-    for name in MODELS:
-        model = _model(name)
-        out, loss = _step(model, dg, x[ids], y[ids], train[ids], _kwargs(name, extra, dg.edge_ids),
-                          int(train.sum()))
-        sync_gradients(model)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        results[name] = (out.detach(), float(total),
-                         {k: p.grad.clone() for k, p in model.named_parameters()})
-    return ids, dg.num_halo, results
+    return ids, dg.num_halo, _run_models(dg)
 
 
 @pytest.mark.parametrize("world,ordering", [(2, "rcm"), (3, None)])
