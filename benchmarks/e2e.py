@@ -1,0 +1,466 @@
+"""Whole training epochs, ngra vs DGL vs PyG: time per phase, peak memory and a roofline.
+
+    .venv/bin/python benchmarks/e2e.py                 # R-MAT 1M / 16M and Coauthor CS (the issue's sizes)
+    .venv/bin/python benchmarks/e2e.py --quick         # R-MAT 64K / 1M and Coauthor CS, a few minutes
+    .venv/bin/python benchmarks/e2e.py --tiny          # R-MAT 2K / 16K only, seconds (smoke test)
+
+Models: GCN, GraphSAGE (mean), GAT (4 heads x 16 features, concatenated: 64 wide; output layer
+1 head) and GIN (MLP Linear-ReLU-Linear, width 64), 2 graph layers, hidden width 64, as
+``ngra.nn.build_model`` builds them with their default dropout (0.5, GAT 0.6 on inputs and
+attention), in training mode. PyG and DGL run the same models with the same weights:
+``characterize_models.build_pyg`` and ``characterize_dgl.build`` (their widths set to the ones
+above). Graphs: R-MAT (``ngra.datasets.rmat``, self loops removed, parallel edges kept) with 128
+standard-normal input features and 16 random classes; Coauthor CS (``ngra.datasets.load``, 6805
+features, 15 classes). An epoch is forward, cross-entropy over every vertex, backward and one
+Adam step (``zero_grad(set_to_none=True)`` included), full graph.
+
+Processes: every (graph, framework, model) runs in a fresh process (DGL's with the interpreter of
+``.venv-dgl``, torch 2.2.1), which loads the saved graph, features, labels and weights, builds the
+framework's graph (ngra: ``Graph`` + its in-CSR; DGL: ``dgl.graph`` + ``add_self_loop`` for GCN and
+GAT, ``create_formats_()``; PyG: ``edge_index``), runs ``--warmup`` epochs (numba's JIT, caches)
+then ``--epochs`` timed ones. Every worker runs with ``OMP_WAIT_POLICY=PASSIVE`` (what ``import
+ngra`` sets) and glibc's default allocator settings.
+
+- **Time**: the fastest timed epoch, with its phases: *forward graph* is the time inside the
+  frameworks' message-passing kernels (ngra: the g-SpMM / g-SDDMM / edge-softmax / gather /
+  scatter nodes of its IR, timed by ``ngra.profile.stages()``; DGL: ``update_all``,
+  ``apply_edges``, ``edge_softmax``; PyG: ``MessagePassing.propagate`` and ``edge_updater``,
+  which include the message and aggregation code), *forward dense* the rest of the forward and
+  the loss (linear layers, activations, dropout, normalisation, self loops), *backward*
+  ``loss.backward()``, *optimizer* ``opt.step()`` + ``zero_grad``.
+- **Memory**: ``peak RSS`` is the worker's resident high-water mark over its whole life (data,
+  graph formats, warm-up and timed epochs): the larger of ``VmHWM`` before the reset below and at
+  the end. (``ru_maxrss`` is not used for it: Linux carries the driver's resident set at the fork
+  into the child's; the CSV has it as ``ru_maxrss``.) ``loaded`` is the resident set after loading and building the
+  model (before the first epoch); ``epoch peak`` the high-water mark of the timed epochs
+  (``VmHWM`` reset through ``/proc/self/clear_refs`` after the warm-up) minus ``loaded``.
+- **Roofline**: the epoch's dense GEMM FLOPs (forward, and backward's weight and input gradients;
+  the first layer needs no input gradient) at the GEMM rate measured here (best ``torch.mm`` of
+  ``[N, 128] x [128, 64]``), plus the fused graph kernels' traffic at the measured copy bandwidth
+  (best copy of a 256 MiB tensor, read + write). Traffic per kernel as in
+  ``benchmarks/kernels.py``'s ``traffic_bytes``: a g-SpMM moves ``E (4 + 4F) + 4NF`` bytes (int32
+  indices, each edge gathers its source row, the output written once), a g-SDDMM ``E (8 + 4F) +
+  4NF``, an edge softmax ``E (4 + 8F)``; backward runs the transposed g-SpMM for the input
+  gradient (and a g-SDDMM for an edge-weight gradient). It counts neither element-wise dense work
+  nor the optimizer: a floor, not a model.
+
+The table gives, per graph and model, each framework's epoch and phases, peak RSS and the ratios
+ngra/DGL (time, RSS), ngra/PyG (time) and ngra/roofline; ``e2e.csv`` under ``--out`` holds every
+figure. Timings on a shared 2-core machine are noisy: compare ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+# benchmarks/kernels.py would shadow the kernels package: this folder goes last on sys.path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(ROOT), str(HERE)]
+
+MODELS = {"gcn": "GCN", "sage": "GraphSAGE", "gat": "GAT", "gin": "GIN"}
+FRAMEWORKS = ("ngra", "dgl", "pyg")
+HIDDEN, GAT_HEADS, FEATURES, CLASSES = 64, 4, 128, 16
+GAT_HIDDEN = HIDDEN // GAT_HEADS
+SIZES = {"full": (1 << 20, 16 << 20), "quick": (1 << 16, 1 << 20), "tiny": (2000, 16000)}
+ITEM, IDX = 4, 4  # float32 features, int32 indices
+GRAPH_OPS = {"gspmm", "gsddmm", "edge_softmax", "gather", "scatter"}
+
+
+# =================================================================================================
+# worker (one graph, one framework, one model, in a fresh process)
+# =================================================================================================
+def _status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _set_widths(module):
+    module.HIDDEN, module.GAT_HIDDEN, module.GAT_HEADS, module.NUM_LAYERS = HIDDEN, GAT_HIDDEN, GAT_HEADS, 2
+
+
+class _GraphTimer:
+    """Seconds spent inside the wrapped callables since the last reset."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.depth = 0
+
+    def wrap(self, fn):
+        def timed(*a, **kw):
+            self.depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.seconds += time.perf_counter() - t0
+        timed.__wrapped__ = fn
+        return timed
+
+
+def _build(spec, data, x, y):
+    """``(model, forward() -> logits, graph_seconds_of_last_forward())`` for the spec's framework."""
+    import torch
+
+    fw, name = spec["framework"], spec["model"]
+    src, dst, n = data["src"], data["dst"], int(data["num_nodes"])
+    weights = {k: torch.from_numpy(v) for k, v in np.load(Path(spec["data"]) / f"weights_{name}.npz").items()}
+    timer = _GraphTimer()
+    if fw == "ngra":
+        import ngra
+        import characterize_models as cm
+        _set_widths(cm)
+        model = cm.build_ngra(name, x.shape[1], spec["classes"])
+        model.load_state_dict(weights, strict=True)
+        g = ngra.Graph(torch.from_numpy(src), torch.from_numpy(dst), n)
+        g.in_csr()  # built once and cached on the graph, as DGL's create_formats_
+        box = {}
+
+        def forward():
+            with ngra.profile.stages() as prof:
+                out = model(g, x)
+            box["prof"] = prof
+            return out
+
+        def graph_seconds():
+            return sum(r.seconds for r in box["prof"].records if r.op in GRAPH_OPS)
+        return model, forward, graph_seconds
+    if fw == "pyg":
+        from torch_geometric.nn import MessagePassing
+        import characterize_models as cm
+        _set_widths(cm)
+        model = cm.build_pyg(name, x.shape[1], spec["classes"])
+        model.load_state_dict(weights, strict=True)
+        for m in model.modules():  # per instance: PyG swaps in generated methods per class
+            if isinstance(m, MessagePassing):
+                m.propagate = timer.wrap(m.propagate)
+                m.edge_updater = timer.wrap(m.edge_updater)
+        ei = torch.from_numpy(np.stack([src, dst]))
+    else:
+        import dgl
+        import characterize_dgl as cd
+        _set_widths(cd)
+        dgl.DGLGraph.update_all = timer.wrap(dgl.DGLGraph.update_all)
+        dgl.DGLGraph.apply_edges = timer.wrap(dgl.DGLGraph.apply_edges)
+        cd.edge_softmax = timer.wrap(cd.edge_softmax)
+        model = cd.build(name, x.shape[1], spec["classes"])
+        model.load_state_dict(weights, strict=True)
+        g = dgl.graph((torch.from_numpy(src), torch.from_numpy(dst)), num_nodes=n)
+        G = {"plain": g}
+        if name in ("gcn", "gat"):  # the self loops DGL's GCN / GAT need (characterize_dgl.GCN/GAT)
+            G = {"loop": dgl.add_self_loop(g)}
+            del g
+        for h in G.values():
+            h.create_formats_()
+        T = cd.StageTimer()
+    def forward():
+        timer.seconds = 0.0
+        return model(x, ei) if fw == "pyg" else model(G, x, T)
+    return model, forward, lambda: timer.seconds
+
+
+def worker(spec_path):
+    spec = json.loads(Path(spec_path).read_text())
+    if spec["framework"] == "ngra":
+        import ngra  # noqa: F401  (before torch: sets the OpenMP wait policy)
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    d = Path(spec["data"])
+    data = {k: np.load(d / f"{k}.npy") for k in ("src", "dst", "x", "y", "num_nodes")}
+    x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["y"])
+    model, forward, graph_seconds = _build(spec, data, x, y)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    loaded = _status("VmRSS")
+    epochs, losses = [], []
+    for i in range(spec["warmup"] + spec["epochs"]):
+        if i == spec["warmup"]:
+            hwm_warmup = _status("VmHWM")  # the peak of loading and warm-up
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        t0 = time.perf_counter()
+        out = forward()
+        loss = F.cross_entropy(out, y)
+        t1 = time.perf_counter()
+        g = graph_seconds()
+        del out
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        losses.append(float(loss))
+        del loss
+        if i >= spec["warmup"]:
+            epochs.append({"epoch": t3 - t0, "fwd_dense": t1 - t0 - g, "fwd_graph": g,
+                           "backward": t2 - t1, "optimizer": t3 - t2})
+    hwm = _status("VmHWM")
+    best = min(epochs, key=lambda e: e["epoch"])
+    rec = dict(best, epochs=[e["epoch"] for e in epochs], loss=losses[0], loaded=loaded,
+               epoch_peak=hwm - loaded, peak_rss=max(hwm_warmup, hwm),
+               ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               torch=torch.__version__)
+    Path(spec["out"]).write_text(json.dumps(rec))
+
+
+# =================================================================================================
+# driver
+# =================================================================================================
+def prepare(graph, size, work: Path, root, seed=0) -> dict:
+    """Save the graph (src, dst, num_nodes), features, labels and every model's weights."""
+    import torch
+
+    import ngra
+    import characterize_models as cm
+    _set_widths(cm)
+    work.mkdir(parents=True, exist_ok=True)
+    if graph == "rmat":
+        n, e = size
+        g = ngra.datasets.rmat(num_nodes=n, num_edges=e, seed=seed).remove_self_loops()
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((n, FEATURES), dtype=np.float32)
+        y = rng.integers(0, CLASSES, n).astype(np.int64)
+        classes = CLASSES
+    else:
+        ds = ngra.datasets.load(graph, root=root)
+        g, x, y = ds.graph.remove_self_loops(), ds.x.numpy().astype(np.float32), ds.y.numpy().astype(np.int64)
+        classes = int(y.max()) + 1
+    np.save(work / "src.npy", g.src.numpy().astype(np.int64))
+    np.save(work / "dst.npy", g.dst.numpy().astype(np.int64))
+    np.save(work / "num_nodes.npy", np.int64(g.num_nodes))
+    np.save(work / "x.npy", x)
+    np.save(work / "y.npy", y)
+    for name in MODELS:
+        torch.manual_seed(seed)
+        model = cm.build_ngra(name, x.shape[1], classes)
+        np.savez(work / f"weights_{name}.npz", **{k: v.detach().numpy() for k, v in model.state_dict().items()})
+    return {"graph": graph, "N": g.num_nodes, "E": g.num_edges, "F": x.shape[1], "C": classes}
+
+
+def machine_rates(n, reps=5) -> dict:
+    """GEMM FLOP/s (``[n, 128] x [128, 64]``) and copy bandwidth (256 MiB, read + write), best of reps."""
+    import torch
+
+    def best(fn):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+    rows = max(n, 1 << 16)
+    a, b = torch.randn(rows, FEATURES), torch.randn(FEATURES, HIDDEN)
+    c = torch.empty(rows, HIDDEN)
+    gemm = 2 * rows * FEATURES * HIDDEN / best(lambda: torch.mm(a, b, out=c))
+    m = (256 << 20) // 4
+    s, t = torch.ones(m), torch.empty(m)
+    copy = 2 * m * 4 / best(lambda: t.copy_(s))
+    return {"gemm_rate": gemm, "copy_rate": copy}
+
+
+def _spmm(n, e, f):
+    return e * (IDX + f * ITEM) + n * f * ITEM
+
+
+def _sddmm(n, e, f):
+    return e * (IDX + f * ITEM + ITEM) + n * f * ITEM
+
+
+def roofline(name, n, e, fin, c) -> dict:
+    """The epoch's GEMM FLOPs and fused graph bytes (see the module docstring)."""
+    h = HIDDEN
+
+    def lin(i, o, input_grad=True):  # forward + weight gradient (+ input gradient)
+        return 2 * n * i * o * (3 if input_grad else 2)
+    ls = n + e  # GCN / GAT sum over the graph with self loops
+    if name == "gcn":
+        flops = lin(fin, h, False) + lin(h, c)
+        # layer 1 aggregates W x (64 wide), layer 2 16 wide; backward: both transposed (W x of
+        # layer 1 needs its gradient for W's)
+        graph = 2 * (_spmm(n, ls, h) + _spmm(n, ls, c))
+    elif name == "sage":
+        flops = 2 * lin(fin, h, False) + 2 * lin(h, c)
+        # layer 1 aggregates x (128 wide; x needs no gradient), layer 2 aggregates h (64 wide)
+        graph = _spmm(n, e, fin) + 2 * _spmm(n, e, h)
+    elif name == "gin":
+        flops = lin(fin, h, False) + lin(h, h) + lin(h, h) + lin(h, c)
+        graph = _spmm(n, e, fin) + 2 * _spmm(n, e, h)
+    else:  # gat: per layer u_add_v scores (H heads), edge softmax, u_mul_e g-SpMM; backward of each
+        flops = lin(fin, h, False) + lin(h, c)
+        graph = 0
+        for heads, width in ((GAT_HEADS, h), (1, c)):
+            fwd = _sddmm(n, ls, heads) + ls * (IDX + 2 * heads * ITEM) + _sddmm(n, ls, width)
+            # backward: g-SpMM (input grad), g-SDDMM (attention grad), softmax, scores' grads
+            bwd = _sddmm(n, ls, width) + _sddmm(n, ls, width) + ls * (IDX + 3 * heads * ITEM) \
+                + 2 * _spmm(n, ls, heads)
+            graph += fwd + bwd
+    return {"flops": flops, "graph_bytes": graph}
+
+
+def run_worker(python, spec, work: Path, timeout):
+    out = work / f"{spec['framework']}_{spec['model']}.json"
+    spec = dict(spec, out=str(out))
+    path = work / f"spec_{spec['framework']}_{spec['model']}.json"
+    path.write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE", DGLBACKEND="pytorch")
+    out.unlink(missing_ok=True)
+    try:
+        res = subprocess.run([python, str(Path(__file__).resolve()), "--worker", str(path)], env=env,
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout} s"}
+    if res.returncode != 0 or not out.exists():
+        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [""]
+        return {"error": f"exit {res.returncode}: {tail[0][:200]}"}
+    return json.loads(out.read_text())
+
+
+def _dgl_available(python) -> str | None:
+    if not Path(python).exists():
+        return f"{python} not found"
+    r = subprocess.run([python, "-c", "import dgl"], capture_output=True, text=True,
+                       env=dict(os.environ, DGLBACKEND="pytorch"))
+    return None if r.returncode == 0 else "dgl does not import: " + (r.stderr.strip().splitlines() or [""])[-1]
+
+
+def _fmt_s(v):
+    return "-" if v is None else (f"{v:.3f}" if v < 10 else f"{v:.1f}")
+
+
+def _gib(v):
+    return "-" if v is None else f"{v / 2**30:.2f}"
+
+
+def _ratio(a, b):
+    return "-" if a is None or not b else f"{a / b:.2f}"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="R-MAT 64K / 1M (and Coauthor CS)")
+    size.add_argument("--tiny", action="store_true", help="R-MAT 2K / 16K only: a smoke run")
+    ap.add_argument("--graphs", help="comma list of rmat, coauthor-cs (default both; --tiny: rmat)")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    ap.add_argument("--epochs", type=int, default=3, help="timed epochs per worker (best is reported)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--datasets", default=str(ROOT.parent / "shared" / "datasets"))
+    ap.add_argument("--dgl-python", default=str(ROOT / ".venv-dgl" / "bin" / "python"))
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
+    ap.add_argument("--out", default=str(ROOT / "results" / "e2e"))
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+
+    level = "tiny" if args.tiny else "quick" if args.quick else "full"
+    graphs = (args.graphs or ("rmat" if args.tiny else "rmat,coauthor-cs")).split(",")
+    models = args.models.split(",")
+    frameworks = args.frameworks.split(",")
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r}; choose from {list(MODELS)}")
+    for f in frameworks:
+        if f not in FRAMEWORKS:
+            ap.error(f"unknown framework {f!r}; choose from {list(FRAMEWORKS)}")
+    skipped = {}
+    if "dgl" in frameworks:
+        why = _dgl_available(args.dgl_python)
+        if why:
+            skipped["dgl"] = why
+            frameworks.remove("dgl")
+            print(f"DGL skipped: {why}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    print(f"command: {' '.join([Path(sys.executable).name, 'benchmarks/e2e.py'] + (argv or sys.argv[1:]))}")
+    for graph in graphs:
+        work = out / f"data_{graph}_{level}"
+        st = prepare(graph, SIZES[level], work, args.datasets)
+        rates = machine_rates(st["N"])
+        print(f"\n== {graph}: N={st['N']:,} E={st['E']:,} F={st['F']} C={st['C']}; GEMM "
+              f"{rates['gemm_rate'] / 1e9:.1f} GFLOP/s, copy {rates['copy_rate'] / 1e9:.1f} GB/s "
+              f"(read + write); best of {args.epochs} epochs after {args.warmup} warm-up")
+        for name in models:
+            roof = roofline(name, st["N"], st["E"], st["F"], st["C"])
+            roof_s = roof["flops"] / rates["gemm_rate"] + roof["graph_bytes"] / rates["copy_rate"]
+            recs = {}
+            for fw in frameworks:
+                spec = {"framework": fw, "model": name, "data": str(work), "classes": st["C"],
+                        "epochs": args.epochs, "warmup": args.warmup}
+                python = args.dgl_python if fw == "dgl" else sys.executable
+                recs[fw] = run_worker(python, spec, work, args.timeout)
+                r = recs[fw]
+                rows.append(dict(graph=graph, N=st["N"], E=st["E"], model=name, framework=fw,
+                                 roofline_s=roof_s, gemm_flops=roof["flops"],
+                                 graph_bytes=roof["graph_bytes"], **rates,
+                                 **{k: v for k, v in r.items() if k != "epochs"}))
+                msg = r.get("error") or (f"epoch {_fmt_s(r['epoch'])} s (fwd dense {_fmt_s(r['fwd_dense'])}, "
+                                         f"fwd graph {_fmt_s(r['fwd_graph'])}, bwd {_fmt_s(r['backward'])}, "
+                                         f"opt {_fmt_s(r['optimizer'])}); peak RSS {_gib(r['peak_rss'])} GiB "
+                                         f"(loaded {_gib(r['loaded'])}, epoch peak +{_gib(r['epoch_peak'])}); "
+                                         f"loss {r['loss']:.4f}")
+                print(f"  {MODELS[name]:9s} {fw:4s}: {msg}", flush=True)
+            _summary_row(graph, name, recs, roof_s)
+    _table(rows)
+    with open(out / "e2e.csv", "w", newline="") as f:
+        keys = ["graph", "N", "E", "model", "framework", "epoch", "fwd_dense", "fwd_graph", "backward",
+                "optimizer", "peak_rss", "loaded", "epoch_peak", "ru_maxrss", "loss", "roofline_s", "gemm_flops",
+                "graph_bytes", "gemm_rate", "copy_rate", "torch", "error"]
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(keys)), extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    print(f"\nwrote {out / 'e2e.csv'}")
+    for fw, why in skipped.items():
+        print(f"{fw} skipped: {why}")
+
+
+_SUMMARY = []
+
+
+def _summary_row(graph, name, recs, roof_s):
+    def get(fw, k):
+        r = recs.get(fw)
+        return None if not r or "error" in r else r[k]
+    _SUMMARY.append([graph, MODELS[name], _fmt_s(get("ngra", "epoch")), _fmt_s(get("dgl", "epoch")),
+                     _fmt_s(get("pyg", "epoch")), _fmt_s(roof_s),
+                     _ratio(get("ngra", "epoch"), get("dgl", "epoch")),
+                     _ratio(get("ngra", "epoch"), get("pyg", "epoch")),
+                     _ratio(get("ngra", "epoch"), roof_s),
+                     _gib(get("ngra", "peak_rss")), _gib(get("dgl", "peak_rss")), _gib(get("pyg", "peak_rss")),
+                     _ratio(get("ngra", "peak_rss"), get("dgl", "peak_rss"))])
+
+
+def _table(rows):
+    head = ["graph", "model", "ngra s", "DGL s", "PyG s", "roofline s", "ngra/DGL time",
+            "ngra/PyG time", "ngra/roofline", "ngra RSS GiB", "DGL RSS GiB", "PyG RSS GiB",
+            "ngra/DGL RSS"]
+    print("\nepoch (best), peak RSS (VmHWM) and ratios; floors: ngra/DGL time <= 0.7, "
+          "ngra/roofline <= 1.5, ngra/DGL RSS <= 1.0")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in _SUMMARY:
+        print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()

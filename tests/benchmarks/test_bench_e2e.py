@@ -1,0 +1,45 @@
+"""Smoke test of benchmarks/e2e.py: one tiny R-MAT graph, every model on ngra and PyG (and DGL
+when .venv-dgl imports it), each in its own worker; checks the table and the CSV, not speed."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DGL_PYTHON = ROOT / ".venv-dgl" / "bin" / "python"
+
+
+def _dgl_ok() -> bool:
+    if not DGL_PYTHON.exists():
+        return False
+    r = subprocess.run([str(DGL_PYTHON), "-c", "import dgl"], capture_output=True,
+                       env=dict(os.environ, DGLBACKEND="pytorch"))
+    return r.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_dgl", [False, True])
+def test_e2e_tiny(tmp_path, with_dgl):
+    if with_dgl and not _dgl_ok():
+        pytest.skip("dgl does not import in .venv-dgl")
+    fws = "ngra,pyg,dgl" if with_dgl else "ngra,pyg"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--tiny", "--epochs", "1",
+                          "--frameworks", fws, "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "e2e.csv")))
+    assert {(r["model"], r["framework"]) for r in rows} == {
+        (m, f) for m in ("gcn", "sage", "gat", "gin") for f in fws.split(",")}
+    for r in rows:
+        assert not r["error"], r
+        assert float(r["epoch"]) > 0 and int(r["peak_rss"]) > 0 and float(r["roofline_s"]) > 0
+        parts = sum(float(r[k]) for k in ("fwd_dense", "fwd_graph", "backward", "optimizer"))
+        assert parts == pytest.approx(float(r["epoch"]), rel=1e-6)
+    by = {(r["model"], r["framework"]): r for r in rows}
+    # same weights, same dropout masks (same torch RNG draws): GCN's first loss agrees with PyG's
+    assert float(by["gcn", "ngra"]["loss"]) == pytest.approx(float(by["gcn", "pyg"]["loss"]), rel=1e-4)
+    assert "| rmat | GAT |" in res.stdout and "ngra/DGL time" in res.stdout
