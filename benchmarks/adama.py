@@ -7,7 +7,9 @@
 Two tasks, each trained with the same global batch split into N micro-batches (N = ``--micro``,
 default 1, 4, 8), with ``torch.optim.Adam`` + gradient accumulation (``(loss / N).backward()``
 N times, then ``step()``; the single-tensor Adam, ``foreach=False``, as on the CPU by default)
-and with ``ngra.optim.AdamA`` (the same loop inside ``opt.micro_batches(N)``):
+and with ``ngra.optim.AdamA`` (the same loop inside ``opt.micro_batches(N)``), with each form of
+its second moment (``adama-mean``: ``second_moment="mean"``; ``adama-sum``: ``"sum"``, see
+``ngra/optim/adama.py``; both hold the same buffers, so their memory is measured once):
 
 - ``gpt``: ``ngra.nn.transformer.GPT`` on Tiny Shakespeare characters (``--data-dir``), a global
   batch of ``--batch`` sequences of ``--block`` tokens;
@@ -25,10 +27,11 @@ Measured, side by side in one run:
   load from other work on the machine falls on all alike; the median step time after the first;
 - **loss curves**: each step's training loss (the sum of its micro-batches' scaled losses), same
   initial weights and batches for every configuration, and a validation loss at the end;
-- **largest model under a memory limit** (gpt only): GPT widths ``d_model`` from ``--d-model``
-  up, in steps of ``8 * n_head``, at N = max(``--micro``): the widest whose peak stays under
-  ``--limit-mib`` (default: Adam + accumulation's peak at ``--d-model``, so Adam's answer is the
-  base width by construction and the question is how much wider AdamA goes).
+- **largest model under a memory limit** (gpt only): the widest GPT (``d_model`` a multiple of
+  ``n_head`` between ``--d-model`` and ``--max-width``, found by bisection) whose peak at
+  N = max(``--micro``) stays under ``--limit-mib`` (default: Adam + accumulation's peak at
+  ``--d-model``, so Adam's answer is about the base width and the question is how much wider
+  AdamA goes).
 
 Only the ratios within one run mean anything on a shared machine.
 """
@@ -52,7 +55,9 @@ import torch.nn.functional as F  # noqa: E402
 from ngra.optim import AdamA  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("adam+acc", "adama")
+# AdamA with each form of the second moment (ngra.optim.adama): "mean" folds N sum g_i^2, "sum"
+# (the paper's literal sum of the scaled micro-batch gradients' squares) sum g_i^2.
+METHODS = ("adam+acc", "adama-mean", "adama-sum")
 MIB = 2**20
 
 
@@ -149,8 +154,8 @@ class Run:
         self.task, self.method, self.n = task, method, n
         self.model = task.model()
         self.model.train()
-        if method == "adama":
-            self.opt = AdamA(self.model.parameters(), lr=lr)
+        if method.startswith("adama"):
+            self.opt = AdamA(self.model.parameters(), lr=lr, second_moment=method[6:])
         else:
             self.opt = torch.optim.Adam(self.model.parameters(), lr=lr, foreach=False)
         self.data = task.batches(seed + 1)
@@ -169,7 +174,7 @@ class Run:
         batch = next(self.data)
         total = 0.0
         self.opt.zero_grad(set_to_none=True)
-        block = (self.opt.micro_batches(self.n) if self.method == "adama"
+        block = (self.opt.micro_batches(self.n) if self.method.startswith("adama")
                  else contextlib.nullcontext())
         with block:
             for loss in self.task.micro_losses(self.model, batch, self.n):
@@ -217,9 +222,10 @@ def main(argv=None):
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32, help="sequences per global batch (gpt)")
     ap.add_argument("--gcn-hidden", type=int, default=256)
-    ap.add_argument("--gcn-steps", type=int, default=40, help="training steps of the gcn task")
-    ap.add_argument("--widths", type=int, default=8,
-                    help="GPT widths tried for the largest model under the limit (0: skip)")
+    ap.add_argument("--gcn-steps", type=int, default=30, help="training steps of the gcn task")
+    ap.add_argument("--max-width", type=int, default=None,
+                    help="widest GPT d_model of the largest-model search (default 2 * --d-model; "
+                         "0 skips the search)")
     ap.add_argument("--limit-mib", type=float, default=None,
                     help="memory limit for the largest-model search (default: Adam + "
                          "accumulation's peak at --d-model)")
@@ -231,7 +237,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.d_model, args.n_layer, args.block, args.batch = 4, 32, 1, 16, 8
-        args.gcn_hidden, args.widths, args.gcn_steps = 16, 3, 3
+        args.gcn_hidden, args.gcn_steps = 16, 3
+    if args.max_width is None:
+        args.max_width = 2 * args.d_model
     micro = [int(k) for k in args.micro.split(",") if k]
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = sorted(set(tasks) - {"gpt", "gcn"})
@@ -246,10 +254,13 @@ def main(argv=None):
     for tname in tasks:
         task = GPTTask(args) if tname == "gpt" else GCNTask(args)
         if tname == "gcn":  # the graph's cached CSRs (forward and backward) are built here,
-            Run(task, "adama", 1, args.seed, args.lr).step()  # outside any measurement
+            Run(task, "adama-mean", 1, args.seed, args.lr).step()  # outside any measurement
         configs = [(m, n) for n in micro for m in METHODS]
         for m, n in tqdm(configs, desc=f"{tname} memory", leave=False):
-            results[tname, m, n] = {"peak": peak_bytes(task, m, n, args.seed, args.lr, device)}
+            # Both AdamA forms hold the same buffers: one measurement serves both.
+            if m != "adama-sum":
+                peak = peak_bytes(task, m, n, args.seed, args.lr, device)
+            results[tname, m, n] = {"peak": peak}
         with torch.device(device):
             runs = {(m, n): Run(task, m, n, args.seed, args.lr) for m, n in configs}
         steps = args.steps if tname == "gpt" else args.gcn_steps
@@ -264,7 +275,7 @@ def main(argv=None):
         print_table(tname, task, results, micro, args)
 
     widest = None
-    if "gpt" in tasks and args.widths > 0:
+    if "gpt" in tasks and args.max_width > 0:
         widest = largest_model(args, micro, device)
     if args.plot:
         plot(args.plot, results, curves, tasks, micro)
@@ -279,46 +290,62 @@ def print_table(tname, task, results, micro, args):
     steps = args.steps if tname == "gpt" else args.gcn_steps
     print(f"\n{tname}: {what}; {steps} steps, lr {args.lr:g}, device {args.device}")
     rate_unit = task.units(1)[1]
-    print(f"{'N':>3} | {'method':<9} | {'peak MiB':>9} | {'step ms':>8} | {rate_unit:>10} | "
+    print(f"{'N':>3} | {'method':<10} | {'peak MiB':>9} | {'step ms':>8} | {rate_unit:>10} | "
           f"{'train loss':>10} | {'val loss':>8}")
     for n in micro:
         for m in METHODS:
             r = results[tname, m, n]
             rate = task.units(1)[0] / r["step"]
-            print(f"{n:>3} | {m:<9} | {r['peak'] / MIB:>9.2f} | {r['step'] * 1e3:>8.1f} | "
+            print(f"{n:>3} | {m:<10} | {r['peak'] / MIB:>9.2f} | {r['step'] * 1e3:>8.1f} | "
                   f"{rate:>10.1f} | {r['loss']:>10.4f} | {r['val']:>8.4f}")
     print("AdamA / Adam+accumulation, same N:")
     for n in micro:
-        a, b = results[tname, "adama", n], results[tname, "adam+acc", n]
-        print(f"  N={n}: peak memory {a['peak'] / b['peak']:.3f}x, throughput "
-              f"{b['step'] / a['step']:.3f}x, final val loss {a['val'] - b['val']:+.4f} nats")
+        b = results[tname, "adam+acc", n]
+        for m in METHODS[1:]:
+            a = results[tname, m, n]
+            print(f"  N={n} {m:<10}: peak memory {a['peak'] / b['peak']:.3f}x, throughput "
+                  f"{b['step'] / a['step']:.3f}x, final val loss {a['val'] - b['val']:+.4f} nats")
 
 
 def largest_model(args, micro, device):
+    """The widest GPT (d_model a multiple of n_head, in [--d-model, --max-width]) whose peak
+    stays under the limit, per method, by bisection (the peak grows with the width)."""
     n = max(micro)
-    step = 8 * args.n_head
-    widths = [args.d_model + i * step for i in range(args.widths)]
     from tqdm import tqdm
 
+    bar = tqdm(desc="widths", leave=False)
     peaks = {}
-    for w in tqdm(widths, desc="widths", leave=False):
-        task = GPTTask(args, d_model=w)
-        for m in METHODS:
-            peaks[m, w] = peak_bytes(task, m, n, args.seed, args.lr, device)
-    limit = args.limit_mib * MIB if args.limit_mib else peaks["adam+acc", args.d_model]
-    print(f"\nlargest GPT under {limit / MIB:.2f} MiB (N = {n}; widths {widths[0]}..{widths[-1]} "
-          f"in steps of {step}):")
+
+    def peak(m, w):
+        if (m, w) not in peaks:
+            peaks[m, w] = peak_bytes(GPTTask(args, d_model=w), m.replace("adama", "adama-mean"),
+                                     n, args.seed, args.lr, device)
+            bar.update()
+        return peaks[m, w]
+
+    limit = args.limit_mib * MIB if args.limit_mib else peak("adam+acc", args.d_model)
     widest = {}
-    for m in METHODS:
-        fit = [w for w in widths if peaks[m, w] <= limit]
-        w = max(fit) if fit else None
-        params = GPTTask(args, d_model=w).model().num_parameters() if w else 0
-        widest[m] = (w, params)
-        more = " (the widest tried: raise --widths)" if w == widths[-1] else ""
-        print(f"  {m:<9} d_model {w if w else '-'} ({params / 1e6:.3f} M parameters){more}")
-    print("  peak MiB per width: " + ", ".join(
-        f"{w}: {peaks['adam+acc', w] / MIB:.1f} / {peaks['adama', w] / MIB:.1f}" for w in widths)
-        + " (Adam+acc / AdamA)")
+    for m in ("adam+acc", "adama"):
+        lo, hi = args.d_model // args.n_head, args.max_width // args.n_head  # in units of n_head
+        if peak(m, lo * args.n_head) > limit:
+            widest[m] = (None, 0)
+            continue
+        while lo < hi:  # invariant: lo fits
+            mid = (lo + hi + 1) // 2
+            if peak(m, mid * args.n_head) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        w = lo * args.n_head
+        widest[m] = (w, GPTTask(args, d_model=w).model().num_parameters())
+    bar.close()
+    print(f"\nlargest GPT under {limit / MIB:.2f} MiB (N = {n}, {args.n_layer} layers, batch "
+          f"{args.batch} x {args.block}; d_model a multiple of {args.n_head} in "
+          f"[{args.d_model}, {args.max_width}]):")
+    for m, (w, params) in widest.items():
+        more = " (the widest allowed: raise --max-width)" if w == args.max_width else ""
+        print(f"  {m:<9} d_model {w if w else '-'} ({params / 1e6:.3f} M parameters, peak "
+              f"{peaks[m, w] / MIB if w else float('nan'):.2f} MiB){more}")
     if widest["adam+acc"][1] and widest["adama"][1]:
         print(f"  AdamA / Adam+accumulation parameters: "
               f"{widest['adama'][1] / widest['adam+acc'][1]:.3f}x")
@@ -335,7 +362,7 @@ def plot(path, results, curves, tasks, micro):
     for j, t in enumerate(tasks):
         ax = axes[0][j]
         for n in micro:
-            for m, style in zip(METHODS, ("-", "--")):
+            for m, style in zip(METHODS, ("-", "--", ":")):
                 ys = curves[t, m, n]
                 # A running mean over 10 steps: the single-step losses are noisy.
                 k = min(10, len(ys))
@@ -346,9 +373,9 @@ def plot(path, results, curves, tasks, micro):
         ax.legend(fontsize=8)
         ax = axes[1][j]
         xs = range(len(micro))
-        for i, m in enumerate(METHODS):
+        for i, m in enumerate(METHODS[:2]):
             ax.bar([x + 0.4 * i for x in xs], [results[t, m, n]["peak"] / MIB for n in micro],
-                   width=0.4, label=m)
+                   width=0.4, label=m.replace("-mean", " (either form)"))
         ax.set_xticks([x + 0.2 for x in xs], [f"N={n}" for n in micro])
         ax.set_ylabel("peak live tensor MiB")
         ax.legend()

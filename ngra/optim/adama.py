@@ -38,6 +38,15 @@ instead, the squared gradient of one micro-batch (as in "Batch size invariant Ad
 Aitchison 2024): equal to Adam + accumulation when the micro-batches agree, up to N times larger
 than its v when noise dominates (smaller steps).
 
+Since ``v_mean = N v_sum`` step by step, ``"sum"`` with learning rate ``lr`` takes exactly the
+steps of ``"mean"`` with ``lr / sqrt(N)`` (apart from ``eps``): the choice is how a learning
+rate tuned for Adam carries over. With ``"mean"`` (``N sum_i g_i^2 >= G^2`` by Cauchy-Schwarz)
+a step's contribution to v is never below Adam + accumulation's, so its steps are never larger;
+with ``"sum"`` they may be up to ``sqrt(N)`` times larger. Measured (``benchmarks/adama.py``,
+N = 8, lr 3e-3 tuned for Adam): on a char GPT both forms trailed Adam + accumulation (final
+validation loss +0.20 nats for "mean", +0.29 for "sum" after 400 steps); on a GCN on Cora,
+"sum" was ahead (-0.27 nats after 30 steps) and "mean" behind (+0.27).
+
 Where the 1/N loss scaling enters: m is linear and v quadratic in the g_i, so scaling every g_i
 by a common c scales m by c and sqrt(v) by c, and the update m / sqrt(v) does not change (apart
 from ``eps``, as in Adam). Leaving the losses unscaled therefore gives the same steps except for
@@ -124,8 +133,8 @@ class AdamA(torch.optim.Optimizer):
     ``AdamA(params, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
     decoupled_weight_decay=False, amsgrad=False, second_moment="sum", hooks=True,
     process_group=None, shard=False)``. Per-parameter state is Adam's (``step``, ``exp_avg``,
-    ``exp_avg_sq``, ``max_exp_avg_sq``) plus ``micro_batches`` (how many micro-batches of the step in progress
-    were folded into it).
+    ``exp_avg_sq``, ``max_exp_avg_sq``) plus ``micro_batches`` (how many micro-batches of the
+    step in progress were folded into it).
     """
 
     def __init__(self, params, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -276,9 +285,12 @@ class AdamA(torch.optim.Optimizer):
                 p.grad = None  # nothing of this refused backward is kept (it stops here)
                 raise
             self._in_backward = True
-            # Runs once when this backward pass ends: that is where a micro-batch ends.
+            # Runs once when this backward pass ends: that is where a micro-batch ends (the
+            # engine's end-of-backward callback, as DDP and FSDP use it).
             torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_batch)
         grad = p.grad
+        if grad is None:
+            return  # another hook on p (a second optimizer over it) took the gradient already
         p.grad = None
         self._take(p, grad)
 

@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "adama.py"
-ROW = re.compile(r"^\s*(\d+) \| (adam\+acc|adama)\s*\|\s*([\d.]+) \|\s*([\d.]+) \|\s*([\d.]+) \|"
+ROW = re.compile(r"^\s*(\d+) \| (adam\+acc|adama-mean|adama-sum)\s*\|\s*([\d.]+) \|\s*([\d.]+) \|"
+                 r"\s*([\d.]+) \|"
                  r"\s*([\d.]+) \|\s*([\d.]+)$")
 
 
@@ -33,17 +34,18 @@ def test_adama_benchmark_tiny(tmp_path):
             n, method, peak, step_ms, rate, loss, val = m.groups()
             tables[task, method, int(n)] = dict(peak=float(peak), step=float(step_ms),
                                                 rate=float(rate), loss=float(loss))
-    assert len(tables) == 12, out
+    assert len(tables) == 18, out
     assert all(r["peak"] > 0 and r["step"] > 0 and r["rate"] > 0 for r in tables.values())
     for t in ("gpt", "gcn"):
         base = tables[t, "adam+acc", 1]["loss"]
-        assert tables[t, "adama", 1]["loss"] == pytest.approx(base, abs=2e-4)
+        for m in ("adama-mean", "adama-sum"):  # N = 1: both forms are Adam
+            assert tables[t, m, 1]["loss"] == pytest.approx(base, abs=2e-4)
         if t == "gpt":  # no dropout: accumulation over N micro-batches is the same step
             for n in (4, 8):
                 assert tables[t, "adam+acc", n]["loss"] == pytest.approx(base, abs=2e-4)
     for n in (4, 8):
-        assert tables["gpt", "adama", n]["peak"] < tables["gpt", "adam+acc", n]["peak"]
-    assert re.search(r"N=8: peak memory 0\.\d{3}x, throughput \d+\.\d{3}x", out)
+        assert tables["gpt", "adama-mean", n]["peak"] < tables["gpt", "adam+acc", n]["peak"]
+    assert re.search(r"N=8 adama-sum +: peak memory 0\.\d{3}x, throughput \d+\.\d{3}x", out)
     assert "largest GPT under" in out and "AdamA / Adam+accumulation parameters" in out
     assert plot.stat().st_size > 10_000
 
