@@ -93,7 +93,10 @@ gradients are *summed*, as ngra's ``sync_gradients``: scale each rank's loss so 
 ranks is the global micro-batch's loss divided by N. The alternative of all-reducing the
 accumulated ``sum g`` and ``sum g^2`` once per step costs less communication but squares each
 rank's local gradient: it equals one process with K*N micro-batches, not N, and is not done here.
-Every rank must produce gradients for the same parameters in the same backward passes.
+Every rank must produce gradients for the same parameters in the same backward passes. Costs:
+a micro-batch's gradients live until its backward ends (waiting for their collectives), not one
+parameter at a time; and a step communicates N gradients (per-parameter collectives, no
+bucketing), where DDP + accumulation under ``no_sync()`` communicates one.
 
 ``shard=True`` (ZeRO stage 2 at parameter granularity): each parameter is owned by one rank
 (parameters assigned greedily by size, in order); the micro-batch gradient is *reduced* to its
