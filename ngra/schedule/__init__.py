@@ -14,6 +14,7 @@ from .baselines import (best_standard, brute_force, gpipe, greedy, interleaved_1
 from .core import (Block, Problem, Schedule, ScheduleError, check, format_schedule, peak_memory,
                    plot_schedule, simulate)
 from .placements import linear, loop, mshape, pipeline_problem, vshape
+from .crossover import compare_policies, simulate_crossover  # noqa: F401 - time-sharing
 
 __all__ = ["Block", "Problem", "Schedule", "ScheduleError", "check", "simulate", "peak_memory",
            "format_schedule", "plot_schedule", "pipeline_problem", "linear", "loop", "vshape",
