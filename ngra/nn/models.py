@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from kernels import _dropout as _fast_dropout
 
 from ._utils import check_int, check_prob
 from .commnet import CommNetConv
@@ -17,6 +18,17 @@ from .sage import SAGEConv
 __all__ = ["GNN", "MODELS", "build_model"]
 
 MODELS = ("gcn", "sage", "sage-pool", "gat", "gin", "ggcn", "ggnn", "rgcn", "commnet")
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """``F.dropout(x, p, training)`` with a counter-based mask on the CPU (``kernels._dropout``:
+    parallel, no mask saved for backward), seeded by one draw from torch's default generator, so
+    ``torch.manual_seed`` fixes it. Other devices and dtypes use ``F.dropout``."""
+    if not training or p == 0.0:
+        return x
+    if p == 1.0 or not _fast_dropout.supported(x):
+        return F.dropout(x, p, training)
+    return _fast_dropout.dropout(x, p, int(torch.randint(0, 1 << 62, (1,)).item()))
+
+
 _ACTIVATIONS = {"relu": F.relu, "elu": F.elu, "identity": lambda x: x}
 
 
@@ -48,14 +60,14 @@ class GNN(torch.nn.Module):
     def forward(self, g, x: torch.Tensor, **kwargs) -> torch.Tensor:
         act = _ACTIVATIONS[self.activation]
         if self.encoder is not None:
-            x = self.encoder(F.dropout(x, self.dropout, self.training))
+            x = self.encoder(_dropout(x, self.dropout, self.training))
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(g, F.dropout(x, self.dropout, self.training), **kwargs)
+            x = layer(g, _dropout(x, self.dropout, self.training), **kwargs)
             if i < last:
                 x = act(x)
         if self.decoder is not None:
-            x = self.decoder(F.dropout(x, self.dropout, self.training))
+            x = self.decoder(_dropout(x, self.dropout, self.training))
         return x
 
 

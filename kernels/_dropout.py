@@ -1,0 +1,74 @@
+"""Dropout of vertex features with a counter-based mask, on the CPU (numba, all threads).
+
+``dropout(x, p, seed)`` keeps element ``i`` of the contiguous ``x`` (scaled by ``1 / (1 - p)``)
+when the top 24 bits of ``splitmix64(seed + i * golden)`` fall below ``(1 - p) * 2**24``, the
+same hash as the IR's edge dropout (``ngra.executor.edge_dropout``). The mask is a function of
+``(seed, i)`` alone, so backward recomputes it instead of saving it, no mask tensor is ever
+allocated, and the rows are drawn in parallel: torch's ``F.dropout`` on the CPU draws a float
+mask element by element from one generator (4 s for 1M x 128 floats under torch 2.13 on the
+project's machine, 0.5 s under torch 2.2 with MKL) and saves a byte mask for backward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from ._outcache import CACHE as _CACHE
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_BLOCK = 1 << 14  # elements per parallel task
+
+
+@njit(inline="always")
+def _keep(seed, i, threshold):
+    z = seed + np.uint64(i) * _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(40)) < threshold
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _dropout_kernel(x, out, seed, threshold, scale):
+    n = x.shape[0]
+    blocks = (n + _BLOCK - 1) // _BLOCK
+    for b in prange(blocks):
+        lo = b * _BLOCK
+        hi = min(n, lo + _BLOCK)
+        for i in range(lo, hi):
+            out[i] = x[i] * scale if _keep(seed, i, threshold) else x[i] * 0.0  # 0 * nan = nan, as torch
+
+
+def supported(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.numel() > 0
+
+
+def _apply(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    xc = x.detach().contiguous()
+    out = _CACHE.empty(tuple(xc.shape), xc.dtype)
+    threshold = np.uint64(int(round((1.0 - p) * (1 << 24))))
+    scale = np.float32(1.0 / (1.0 - p)) if xc.dtype == torch.float32 else 1.0 / (1.0 - p)
+    _dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), np.uint64(seed), threshold, scale)
+    return out
+
+
+class _Dropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, p, seed):
+        ctx.p, ctx.seed = p, seed
+        return _apply(x, p, seed)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _apply(grad, ctx.p, ctx.seed), None, None
+
+
+def dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """``x`` with each element zeroed with probability ``p`` (else scaled by ``1 / (1 - p)``),
+    the mask given by ``seed`` (an int in [0, 2**63)); differentiable. CPU, float32/float64,
+    ``0 < p < 1`` (see :func:`supported`)."""
+    return _Dropout.apply(x, float(p), int(seed))
