@@ -27,9 +27,17 @@ The rate is chosen so that one all-reduce takes about ``--comm-ratio`` times one
 ``ip netns``; prints ``skipped: ...`` and exits 0 (77 with ``--check``) where namespaces cannot
 be created. Namespaces and the veth are named with this process id and always removed.
 
-    .venv/bin/python benchmarks/crossover.py                       # ~1 min
+    .venv/bin/python benchmarks/crossover.py                       # ~20 s
     .venv/bin/python benchmarks/crossover.py --quick --plot /tmp/x  # tiny, + timelines PNG
     .venv/bin/python benchmarks/crossover.py --check                # can namespaces be made?
+
+Measured here (2 cores, AMD EPYC, torch 2.13, another engineer's test suite running at the same
+time; MLP 256-384x3-256, batch 1024, 1.97 MB of gradients, compute ~32 ms, ~510 Mbit/s so that
+the all-reduce takes ~29 ms; 30 timed iterations per job), crossover / back to back: 1.72x,
+1.66x, 1.84x over three runs (simulated 1.84-1.92x); crossover / naive: 1.35x, 0.97x, 1.27x
+(naive's gain is luck of phase: the OS sometimes drifts the jobs into alternation). With
+``--comm-ratio 0.25``: 1.08x vs back to back (simulated 1.17x); ``--comm-ratio 4``: 1.25x
+(simulated 1.24x), 1.04x vs naive. Losses and parameters bit-identical in every run.
 """
 
 from __future__ import annotations
