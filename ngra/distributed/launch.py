@@ -61,7 +61,19 @@ def init_from_env(device: torch.device | str = "cpu", *, timeout: float = 300.0)
     info = worker_info()
     if info.distributed and not dist.is_initialized():
         backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        limit = datetime.timedelta(seconds=timeout)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # The launcher's store outlives a restart of the workers. torch 2.13's env://
+            # setup uses it without a per-attempt prefix, so a restarted worker could read the
+            # address a dead worker of the previous attempt published and fail to connect
+            # ("Connection refused", seen in the restart test); keys go under the attempt.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  info.world_size, is_master=False, timeout=limit)
+            store = dist.PrefixStore(f"/ngra/attempt_{info.restart_count}", store)
+            dist.init_process_group(backend, store=store, rank=info.rank,
+                                    world_size=info.world_size, timeout=limit)
+        else:
+            dist.init_process_group(backend, timeout=limit)
     return info
 
 
