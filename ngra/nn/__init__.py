@@ -7,7 +7,9 @@ work around it (degrees, self loops, edge coefficients) and returns ``(graph, vd
 
 Layers: :class:`GCNConv`, :class:`SAGEConv`, :class:`GATConv`, :class:`GINConv`,
 :class:`GatedGCNConv`, :class:`GGNNConv`, :class:`RGCNConv`, :class:`CommNetConv`.
-Models: :func:`build_model` (names in :data:`MODELS`).
+Models: :func:`build_model` (names in :data:`MODELS`). Mixture of experts: :class:`MoE` (Switch,
+GShard and Dense-To-Sparse gates) and :class:`MoEConv` (an MoE as ApplyVertex network); a small
+GPT for the dense experiments in :mod:`ngra.nn.transformer`.
 """
 
 from .commnet import CommNetConv

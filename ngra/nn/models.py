@@ -18,6 +18,8 @@ from .sage import SAGEConv
 __all__ = ["GNN", "MODELS", "build_model"]
 
 MODELS = ("gcn", "sage", "sage-pool", "gat", "gin", "ggcn", "ggnn", "rgcn", "commnet")
+
+
 def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """``F.dropout(x, p, training)`` with a counter-based mask on the CPU (``kernels._dropout``:
     parallel, no mask saved for backward), seeded by one draw from torch's default generator, so
