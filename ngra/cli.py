@@ -286,7 +286,6 @@ def _failure(e: Exception) -> str:
     return "; ".join(out)
 
 
-
 def _check_writable(path: Path, flag: str = "--metrics-json", command: str = "train") -> None:
     from .train import ConfigError, check_writable
 
@@ -349,7 +348,9 @@ def _saved(args):
         if not name:
             raise ConfigError("the model file does not say which dataset it was trained on; pass "
                               "--dataset NAME")
-        options = _options(args.dataset_option, args.command) or saved.get("dataset_options")
+        # The training run's loader options, with the ones given here on top.
+        options = {**(saved.get("dataset_options") or {}),
+                   **(_options(args.dataset_option, args.command) or {})} or None
         data = load_dataset(name, args.data_dir, seed=saved.get("seed") or 0,
                             normalize_features=saved.get("normalize_features"), options=options)
     except (ModelFileError, ValueError, TypeError, OSError) as e:
