@@ -72,3 +72,52 @@ def dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     the mask given by ``seed`` (an int in [0, 2**63)); differentiable. CPU, float32/float64,
     ``0 < p < 1`` (see :func:`supported`)."""
     return _Dropout.apply(x, float(p), int(seed))
+
+
+# -- edge dropout: the IR's mask (ngra.executor.edge_dropout), rows named by edge ids -----------
+
+@njit(parallel=True, cache=True, nogil=True)
+def _edge_dropout_kernel(x, out, ids, state, threshold, scale):
+    rows, width = x.shape
+    for r in prange(rows):
+        base = np.uint64(ids[r]) * np.uint64(width)
+        for j in range(width):
+            if _keep(state, base + np.uint64(j), threshold):
+                out[r, j] = x[r, j] * scale
+            else:
+                out[r, j] = x[r, j] * 0.0
+
+
+def _edge_apply(x: torch.Tensor, ids: torch.Tensor, state: int, threshold: int,
+                scale: float) -> torch.Tensor:
+    xc = x.detach().contiguous()
+    out = _CACHE.empty(tuple(xc.shape), xc.dtype)
+    rows = xc.shape[0]
+    _edge_dropout_kernel(xc.numpy().reshape(rows, -1), out.numpy().reshape(rows, -1),
+                         ids.numpy(), np.uint64(state), np.uint64(threshold),
+                         xc.dtype == torch.float32 and np.float32(scale) or scale)
+    return out
+
+
+class _EdgeDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ids, state, threshold, scale):
+        ctx.save_for_backward(ids)
+        ctx.args = (state, threshold, scale)
+        return _edge_apply(x, ids, state, threshold, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ids, = ctx.saved_tensors
+        return _edge_apply(grad, ids, *ctx.args), None, None, None, None
+
+
+def edge_dropout(x: torch.Tensor, ids: torch.Tensor, state: int, threshold: int,
+                 scale: float) -> torch.Tensor:
+    """``x`` [R, ...] with element j of row r kept (times ``scale``) iff the top 24 bits of
+    ``splitmix64(state + (ids[r] * width + j) * golden)`` are below ``threshold`` (``width`` the
+    elements per row): the mask of ``ngra.executor.edge_dropout``, computed per element in
+    parallel instead of through int64 temporaries of x's size, and recomputed in backward.
+    ``state`` is the mixed seed as an unsigned 64-bit int; ``ids`` int64 [R], non-negative."""
+    return _EdgeDropout.apply(x, ids.contiguous(), int(state), int(threshold), float(scale))
+

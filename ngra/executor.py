@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 import kernels
+from kernels import _dropout as _dropout_kernel
 
 from . import profile
 from .batch import EdgeBatch, VertexBatch, check_message, check_scatter
@@ -149,10 +150,16 @@ def edge_dropout(x: torch.Tensor, p: float, seed: int, edge_ids: torch.Tensor | 
     row = math.prod(x.shape[1:])
     ids = torch.arange(x.shape[0], device=x.device) if edge_ids is None else \
         edge_ids.to(device=x.device, dtype=torch.int64)
-    key = ids.reshape(-1, 1) * row + torch.arange(row, device=x.device)
     state = _to_int64(int(_splitmix64(torch.tensor(seed, dtype=torch.int64)).item()))
+    threshold = int(round((1.0 - p) * (1 << 24)))
+    if not inplace and _dropout_kernel.supported(x):
+        # The same mask, per element in parallel: the torch form below makes int64 temporaries
+        # of x's size (0.5 GiB each for GAT's 16M x 4 attention) and took most of GAT's epoch.
+        scale = torch.ones((), dtype=x.dtype).div_(1.0 - p).item()  # the kept value, as below
+        return _dropout_kernel.edge_dropout(x, ids, state & ((1 << 64) - 1), threshold, scale)
+    key = ids.reshape(-1, 1) * row + torch.arange(row, device=x.device)
     bits = _srl(_splitmix64(key * _GOLDEN + state), 40)  # the top 24 bits, uniform
-    keep = bits < int(round((1.0 - p) * (1 << 24)))
+    keep = bits < threshold
     noise = keep.to(x.dtype).div_(1.0 - p).reshape(x.shape)
     return x.mul_(noise) if inplace else x * noise
 

@@ -1,0 +1,38 @@
+"""The numba dropout kernels against slow references: the edge-dropout kernel gives bit for bit
+the mask of the torch (int64 hash) form in ngra.executor.edge_dropout, forward and gradient; the
+vertex dropout keeps about 1 - p of the elements, scaled, with its mask fixed by the seed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import _dropout
+from ngra import executor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(300, 4), (97, 3, 5), (40,)])
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_edge_dropout_kernel_equals_the_torch_hash_form(dtype, shape, with_ids):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, dtype=dtype, generator=gen, requires_grad=True)
+    ids = torch.randperm(10_000, generator=gen)[:shape[0]] if with_ids else None
+    fast = executor.edge_dropout(x, 0.3, 12345, ids)  # the kernel (CPU, float, not in place)
+    slow = executor.edge_dropout(x.detach().clone(), 0.3, 12345, ids, inplace=True)  # torch ops
+    assert torch.equal(fast.detach(), slow)
+    assert 0.55 < float((slow != 0).float().mean()) < 0.85  # about 1 - p kept
+    g = torch.randn(shape, dtype=dtype, generator=gen)
+    grad, = torch.autograd.grad(fast, x, g)
+    assert torch.equal(grad, executor.edge_dropout(g.clone(), 0.3, 12345, ids, inplace=True))
+
+
+def test_vertex_dropout_mask_is_fixed_by_the_seed_and_scaled():
+    x = torch.ones(2000, 8, requires_grad=True)
+    a, b = _dropout.dropout(x, 0.25, 7), _dropout.dropout(x, 0.25, 7)
+    assert torch.equal(a, b) and not torch.equal(a, _dropout.dropout(x, 0.25, 8))
+    kept = a != 0
+    assert torch.all(a[kept] == torch.tensor(1 / 0.75, dtype=torch.float32))
+    assert 0.73 < float(kept.float().mean()) < 0.77
+    grad, = torch.autograd.grad(a, x, torch.ones_like(a))
+    assert torch.equal(grad, a.detach())  # the same mask in backward, recomputed
