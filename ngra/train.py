@@ -847,7 +847,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     structure: the keys ``epoch`` (int >= 1), ``stopped_early``, ``model`` (a state dict),
     ``optimizer``, ``stopper``, ``rng``, ``history`` (one record per epoch) and ``fingerprint``
     (the run's settings; ``workers``: K for a run on several workers, whose checkpoint also has
-    ``worker_rng``, each worker's RNG states in rank order). Raises :class:`CheckpointError`, naming the file, for anything else:
+    ``worker_rng``, each worker's RNG states in rank order). Raises :class:`CheckpointError`,
+    naming the file, for anything else:
     a flipped bit, a file cut short, another file, a state edited into values no run writes.
     Whether the state fits a given model is checked when :func:`fit` resumes from it.
     """
@@ -1001,7 +1002,10 @@ def _training_objects(model, *, lr, weight_decay, weight_decay_on, patience, sel
     stopper = _Stopper(patience, selection)
     fingerprint = {"lr": float(lr), "weight_decay": float(weight_decay), "weight_decay_on": weight_decay_on,
                    "patience": patience, "selection": selection,
-                   "params": {k: list(v.shape) for k, v in model.state_dict().items()}, **(run_info or {})}
+                   "params": {k: list(v.shape) for k, v in model.state_dict().items()},
+                   # build_model's arguments repeat the settings above plus the data's sizes;
+                   # left out so that checkpoints written before they were recorded still resume
+                   **{k: v for k, v in (run_info or {}).items() if k != "build"}}
     return optimizer, stopper, fingerprint
 
 
