@@ -43,6 +43,11 @@ def _dropout_kernel(x, out, seed, threshold, scale):
             out[i] = x[i] * scale if _keep(seed, i, threshold) else x[i] * 0.0  # 0 * nan = nan, as torch
 
 
+def _scalar(v: float, dtype: torch.dtype):
+    """``v`` in the kernels' arithmetic type for ``dtype`` (float32 rounds it)."""
+    return np.float32(v) if dtype == torch.float32 else float(v)
+
+
 def supported(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.numel() > 0
 
@@ -51,8 +56,8 @@ def _apply(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     xc = x.detach().contiguous()
     out = _CACHE.empty(tuple(xc.shape), xc.dtype)
     threshold = np.uint64(int(round((1.0 - p) * (1 << 24))))
-    scale = np.float32(1.0 / (1.0 - p)) if xc.dtype == torch.float32 else 1.0 / (1.0 - p)
-    _dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), np.uint64(seed), threshold, scale)
+    _dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), np.uint64(seed), threshold,
+                    _scalar(1.0 / (1.0 - p), xc.dtype))
     return out
 
 
@@ -95,7 +100,7 @@ def _edge_apply(x: torch.Tensor, ids: torch.Tensor, state: int, threshold: int,
     rows = xc.shape[0]
     _edge_dropout_kernel(xc.numpy().reshape(rows, -1), out.numpy().reshape(rows, -1),
                          ids.numpy(), np.uint64(state), np.uint64(threshold),
-                         xc.dtype == torch.float32 and np.float32(scale) or scale)
+                         _scalar(scale, xc.dtype))
     return out
 
 

@@ -257,7 +257,8 @@ class Program:
             real = (graph, vdata, edata)
             _check_message(layer, raw, real)  # clearer: apply_edge returned no row per edge
             if graph is not None and getattr(graph, "graph_ops", None) is None:
-                _rerun_eagerly(layer, graph, vdata, edata, self.reduce)
+                _rerun_eagerly(layer, graph, vdata, edata, self.reduce,
+                               _describe_sig(self.vsig, self.esig))
             raise type(e)(f"{type(layer).__name__} failed on a sample batch with inputs "
                           f"{_describe_sig(self.vsig, self.esig)}: {e}\ntraced IR:\n{raw}") from e
         _check_message(layer, raw, (graph, vdata, edata))
@@ -291,7 +292,8 @@ class Program:
         return f"{head}\n{self.ir}"
 
 
-def _rerun_eagerly(layer, graph: Graph, vdata: dict, edata: dict, reduce: str) -> None:
+def _rerun_eagerly(layer, graph: Graph, vdata: dict, edata: dict, reduce: str,
+                   inputs: str) -> None:
     """Compiling ``layer`` failed with ``error`` while running its traced IR on a small sample
     graph: run its SAGA functions eagerly on the real inputs, so that an error in the user's code
     is raised from the user's own line, about the real graph's sizes, with a note saying where.
@@ -302,17 +304,12 @@ def _rerun_eagerly(layer, graph: Graph, vdata: dict, edata: dict, reduce: str) -
     except Exception as real:  # noqa: BLE001 - the user's own exception, re-raised as it is
         real.__suppress_context__ = True  # the sample run's error is the same fault, less clear
         note = (f"ngra: {type(layer).__name__} could not be compiled; its scatter / apply_edge / "
-                f"apply_vertex were run eagerly on the real inputs {_describe_sig(*_sigs(vdata, edata))} "
+                f"apply_vertex were run eagerly on the real inputs {inputs} "
                 f"of a graph with {graph.num_nodes} vertices and {graph.num_edges} edges (E), and "
                 f"raised this. Wrap the call in `with ngra.eager():` to step through it.")
         if hasattr(real, "add_note"):
             real.add_note(note)
         raise
-
-
-def _sigs(vdata: dict, edata: dict):
-    return ({k: (tuple(t.shape[1:]), t.dtype) for k, t in vdata.items()},
-            {k: (tuple(t.shape[1:]), t.dtype) for k, t in edata.items()})
 
 
 _EAGER_NODE = IRNode("eager", "call_function", None, domain="vertex", stage="Eager")

@@ -54,8 +54,7 @@ def partition(g: Graph, num_parts: int, *, method: str = "metis", seed: int = 0)
     n = g.num_nodes
     if method == "contiguous":
         deg = torch.bincount(g.dst.cpu(), minlength=n).numpy()
-        cum = np.concatenate([[0], np.cumsum(deg + 1)])  # +1: isolated vertices weigh too
-        bounds = np.searchsorted(cum, np.linspace(0, cum[-1], num_parts + 1)[1:-1], side="left")
+        bounds = _balanced_cuts(deg + 1, num_parts)  # +1: isolated vertices weigh too
         part = np.zeros(n, dtype=np.int64)
         for b in bounds:
             part[b:] += 1
@@ -83,6 +82,13 @@ def partition(g: Graph, num_parts: int, *, method: str = "metis", seed: int = 0)
         return torch.as_tensor(np.asarray(parts, dtype=np.int64))
     raise ValueError(f"partition: method must be one of {list(PARTITION_METHODS)} "
                      f"(got {method!r})")
+
+
+def _balanced_cuts(weight: np.ndarray, parts: int) -> np.ndarray:
+    """[parts - 1] cut positions splitting items of ``weight`` into ``parts`` contiguous runs of
+    about equal total weight (run r is items ``cuts[r-1]:cuts[r]``)."""
+    cum = np.concatenate([[0], np.cumsum(weight)])
+    return np.searchsorted(cum, np.linspace(0, cum[-1], parts + 1)[1:-1], side="left")
 
 
 class _Halo:
@@ -302,9 +308,7 @@ class DistGraph(Graph):
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1 (got {num_workers!r})")
         sizes = np.diff(np.asarray(store.bounds, dtype=np.int64))
-        weight = np.asarray(store.counts, dtype=np.int64).sum(0) + sizes
-        cum = np.concatenate([[0], np.cumsum(weight)])
-        cuts = np.searchsorted(cum, np.linspace(0, cum[-1], num_workers + 1)[1:-1], side="left")
+        cuts = _balanced_cuts(np.asarray(store.counts, dtype=np.int64).sum(0) + sizes, num_workers)
         return np.concatenate([[0], np.minimum(cuts, len(sizes)), [len(sizes)]]).astype(np.int64)
 
     @classmethod

@@ -249,12 +249,7 @@ def _linear_extensions(names, before):
 def brute_force(problem: Problem, *, max_candidates: int = 200_000) -> Schedule:
     """The optimal schedule by exhaustive search over per-device orders (tiny problems)."""
     p = problem
-    anc: dict = {}
-    for b in p.topological():
-        a = set()
-        for u in b.deps:
-            a |= anc[u] | {u}
-        anc[b.name] = a
+    anc = p.ancestors()
     per_dev = []
     for d in range(p.n_devices):
         names = [b.name for b in p.on_device(d)]

@@ -115,6 +115,16 @@ class Problem:
     def on_device(self, d: int) -> list[Block]:
         return [b for b in self.blocks if d in b.devices]
 
+    def ancestors(self) -> dict[str, set]:
+        """Every block's transitive dependencies, by name."""
+        anc: dict[str, set] = {}
+        for b in self.topological():
+            a: set = set()
+            for u in b.deps:
+                a |= anc[u] | {u}
+            anc[b.name] = a
+        return anc
+
     def topological(self) -> list[Block]:
         """Blocks in a dependency order (Kahn's algorithm, ties by position)."""
         indeg = {b.name: len(b.deps) for b in self.blocks}

@@ -58,16 +58,6 @@ def _int_durations(problem: Problem) -> None:
         raise ValueError(f"the solver needs an integer comm_delay (got {problem.comm_delay!r})")
 
 
-def _ancestors(problem: Problem) -> dict:
-    anc: dict = {}
-    for b in problem.topological():
-        a = set()
-        for u in b.deps:
-            a |= anc[u] | {u}
-        anc[b.name] = a
-    return anc
-
-
 @dataclass(frozen=True)
 class ExactResult:
     """The best schedule found; ``optimal`` when the solver proved nothing shorter exists."""
@@ -90,7 +80,7 @@ def solve_exact(problem: Problem, *, timeout_s: float = 10.0, upper: Schedule | 
     _int_durations(problem)
     p = problem
     t0 = time.monotonic()
-    anc = _ancestors(p)
+    anc = p.ancestors()
     fixed = set(fixed_orders or ())
     s = {b.name: z3.Int(f"s_{b.name}") for b in p.blocks}
     dur = {b.name: int(b.duration) for b in p.blocks}
