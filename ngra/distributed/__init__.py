@@ -13,10 +13,11 @@ Every zoo model's outputs, loss and parameter gradients equal the single-process
 1-4 workers, with random / contiguous / METIS partitions, a worker without vertices and one
 without in-edges). Layers that mix rows across vertices or edges (batch norm in training, dim-0
 reductions) are refused on a ``DistGraph``; dropout masks depend on the partition (a piece
-numbers its rows locally). ``ngra train --checkpoint`` works on several workers (each worker's
-RNG states are kept; resume is bit for bit, also after an elastic restart). Not supported yet: a
-streaming engine inside a worker, NGra's ring chunk sharing, overlapping the exchange with
-compute. ``DistGraph.from_store`` reads a worker's piece from an on-disk chunk store (only
+numbers its rows locally). ``ngra train --checkpoint`` works on several workers (rank 0 writes
+the state, which is the same on every worker, with each worker's RNG states; every worker reads
+it back on ``--resume``, bit for bit on the CPU, also after an elastic restart). Not supported
+yet: a streaming engine inside a worker, NGra's ring chunk sharing, overlapping the exchange
+with compute. ``DistGraph.from_store`` reads a worker's piece from an on-disk chunk store (only
 the chunk columns of its vertex intervals: their in-edges); ``ngra train`` still reads the whole
 graph in every worker and cuts it.
 """
