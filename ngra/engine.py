@@ -69,6 +69,13 @@ Where the columns come from
   memory on a side stream, and the compute stream waits on an event for it (:func:`_upload`);
   that path has not yet run on a GPU (none was lent to this project so far).
 
+- a worker's piece of a distributed graph (``ngra.distributed.DistGraph``): row slices of its
+  in-edge CSR, whose sources are the worker's own vertices followed by its halo. Each source
+  operand of the edge part gets its halo rows once per call, before the first column
+  (``DistGraph.exchange_sources``, the same values in the same order on every worker), and
+  every column reads the extended value; backward returns the halo rows' gradients to their
+  owners once, after the last column. Each worker chooses its own P under its own budget.
+
 Columns of in-memory graphs (their CSR, and the transposed CSR the kernels cache on it in
 backward) are prepared by the first calls and cached by the engine, as the graph caches its own
 CSR; graphs with equal edge lists share them. A store's columns are never kept.
@@ -283,7 +290,7 @@ class _GraphColumns:
             a, b = int(self.bounds[j]), int(self.bounds[j + 1])
             ptr = full.indptr[a:b + 1]
             lo, hi = int(ptr[0]), int(ptr[-1])
-            idx = torch.int32 if max(self.g.num_nodes, hi - lo) <= _INT32_MAX else torch.int64
+            idx = torch.int32 if max(full.num_src, hi - lo) <= _INT32_MAX else torch.int64
             # Rows keep the graph's order (by original edge id), so every reduction adds in the
             # same order as in memory and max/min ties pick the same edge. Column positions are
             # the column's edges in original edge order, as a chunk's are: with one interval,
@@ -292,8 +299,10 @@ class _GraphColumns:
             order = torch.sort(eids, stable=True).indices
             rank = torch.empty_like(order)
             rank[order] = torch.arange(hi - lo, dtype=order.dtype, device=order.device)
+            # All of the CSR's sources: a worker's piece of a distributed graph (a DistGraph)
+            # has its halo after its own vertices.
             csr = kernels.CSR(ptr - lo, full.indices[lo:hi].to(idx), rank.to(idx),
-                              self.g.num_nodes, b - a, check=False)  # rows of a checked CSR
+                              full.num_src, b - a, check=False)  # rows of a checked CSR
             csr.blocking = False  # no source-blocked copies beyond what the estimate counts
             col = self._cols[j] = _Column(j, slice(a, b), csr, eids[order])
         return _transposed(col) if transpose else col
@@ -545,7 +554,11 @@ class Engine:
         per_vertex = 4 * sum(_row_bytes(n) for n in needs if n.domain == "vertex") + \
             3 * sum(_row_bytes(r) for r in plan.reductions)
         per_edge = 3 * sum(_row_bytes(n) for n in plan.edge if n.op == "input")
-        return int(per_vertex * g.num_nodes + per_edge * g.num_edges)
+        # A worker's piece also holds its source operands' halo rows and their gradients.
+        halo = getattr(g, "num_src", g.num_nodes) - g.num_nodes
+        sources = set(_source_operands(plan))
+        per_halo = 2 * sum(_row_bytes(n) for n in needs if id(n) in sources)
+        return int(per_vertex * g.num_nodes + per_halo * halo + per_edge * g.num_edges)
 
     def _column_edges(self, g, p: int) -> np.ndarray:
         """In-edges of each destination column [P] for the layout a call with P would use
@@ -661,6 +674,8 @@ class Engine:
                           "so it cannot be streamed; running it in memory", stacklevel=3)
             return program.run(g, vdata, edata, checked=True)
         plan = StreamPlan.of(program.ir)
+        if getattr(g, "exchange_sources", None) is not None:
+            self._check_piece(program, g)
         p = self._num_intervals(program, g)
         if p > 1:
             _check_rowwise(program, plan, p)
@@ -674,6 +689,22 @@ class Engine:
         if not self._probing:
             self.last_run.update(estimate=estimate, vertex_bytes=self.vertex_bytes(program, g))
         return out
+
+    def _check_piece(self, program, g) -> None:
+        """A worker's piece of a distributed graph streams its own destination columns in its
+        own vertex order; the halo rows of the source operands are exchanged once per call."""
+        if self.store is not None:
+            raise ValueError(
+                "Engine(store=...) streams a whole graph's chunk store, but the layer runs on a "
+                "worker's piece of a distributed graph (a DistGraph); give the engine "
+                "memory_budget=... or num_chunks=... (build the piece itself from the store with "
+                "DistGraph.from_store)")
+        if self.ordering not in (None, "identity"):
+            raise ValueError(
+                f"Engine(ordering={self.ordering!r}) cannot reorder a worker's piece of a "
+                "distributed graph (a DistGraph): leave ordering out (a good partition, such as "
+                "METIS, already gives each worker a compact piece)")
+        g.check_program(program)
 
 
 class TensorMemory(TorchDispatchMode):
@@ -867,6 +898,7 @@ class _Run:
             self.inv = torch.from_numpy(layout.inv).to(self.device)
         self.loader = None  # made in execute(), which knows whether backward will follow
         self.backward = False  # set once forward is done: later column runs are recomputes
+        self.src_vert: dict = {}  # a DistGraph's source operands with their halo rows
 
     def execute(self):
         plan = self.plan
@@ -886,6 +918,11 @@ class _Run:
                 for n in plan.pre if (i := id(n)) in plan.needs}
         for i in plan.needs - plan.post_reads - {id(out_node)}:
             env.pop(i, None)  # the edge part reads ``vert``; autograd keeps what it needs
+        # A worker's piece of a distributed graph: every source operand gets its halo rows once
+        # (the same values, in the same order, on every worker), read by every column.
+        exchange = getattr(self.g, "exchange_sources", None)
+        self.src_vert = {} if exchange is None else exchange(
+            {i: vert[i] for i in _source_operands(plan) if i in vert})
         p = self.layout.num_intervals
         tensors = [v for v in vert.values() if isinstance(v, torch.Tensor)]
         recompute = torch.is_grad_enabled() and (
@@ -1013,10 +1050,12 @@ class _Run:
         def load(n):
             return env[id(n)] if id(n) in env else vert[id(n)]
 
-        def rows(x, side):  # a vertex operand for the source or the destination side
+        def rows(n, side):  # a vertex operand for the source or the destination side
             if side == "src":
+                x = self.src_vert.get(id(n))
+                x = load(n) if x is None else x
                 return x if col.src is None else x[col.src]
-            return x[col.dst]
+            return load(n)[col.dst]
 
         keep_ids = {id(r) for r in plan.reductions} | {id(nodes[k]) for k in keep}
         drops = _drop_schedule(nodes, keep_ids)
@@ -1026,16 +1065,16 @@ class _Run:
             if n.op == "input":
                 value = self.edata[n.target[1]].index_select(0, col.eids)
             elif n.op == "scatter":
-                x = rows(load(n.args[0]), n.target)
+                x = rows(n.args[0], n.target)
                 value = self._eval(n, lambda: ops.scatter(x, n.target))
             elif n.op == "gsddmm":
                 u, v, e = n.args
-                uve = (None if u is None else rows(load(u), "src"),
-                       None if v is None else rows(load(v), "dst"), None if e is None else load(e))
+                uve = (None if u is None else rows(u, "src"),
+                       None if v is None else rows(v, "dst"), None if e is None else load(e))
                 value = self._eval(n, lambda: ops.gsddmm(n.target, *uve))
             elif n.op == "gspmm":
                 u, e = n.args
-                ue = (None if u is None else rows(load(u), "src"), None if e is None else load(e))
+                ue = (None if u is None else rows(u, "src"), None if e is None else load(e))
                 op, reduce = n.target
                 reduce = "sum" if partial and reduce == "mean" else reduce
                 value = self._eval(n, lambda: ops.gspmm(op, reduce, *ue))
@@ -1053,6 +1092,18 @@ class _Run:
             for dead in drops.get(k, ()):
                 env.pop(dead, None)
         return env
+
+
+def _source_operands(plan: StreamPlan) -> list[int]:
+    """Ids of the vertex values the edge part reads on the source side (``u`` of a g-SDDMM or
+    g-SpMM, a scatter to ``src``), in plan order."""
+    out: list[int] = []
+    for n in plan.edge:
+        if n.op in ("gsddmm", "gspmm") or (n.op == "scatter" and n.target == "src"):
+            u = n.args[0]
+            if isinstance(u, Node) and id(u) not in out:
+                out.append(id(u))
+    return out
 
 
 def _check_rowwise(program, plan: StreamPlan, p: int) -> None:
@@ -1194,7 +1245,7 @@ class _Replay:
         dev = run.device
         self.rng = (torch.get_rng_state(),
                     torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
-        own = [t for t in vert.values() if isinstance(t, torch.Tensor)]
+        own = [t for t in [*vert.values(), *run.src_vert.values()] if isinstance(t, torch.Tensor)]
         own += [*run.edata.values(), *run.layer.parameters(), *run.layer.buffers()]
         self.keep = {t.untyped_storage().data_ptr() for t in own}
 

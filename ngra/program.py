@@ -113,11 +113,6 @@ class VertexProgram(torch.nn.Module):
         from .engine import current_engine  # the streaming engine, when one is active
         engine = current_engine()
         if engine is not None:
-            if getattr(g, "graph_ops", None) is not None:
-                raise NotImplementedError(
-                    f"{type(self).__name__}: streaming a worker's piece of a distributed graph "
-                    "(ngra.Engine around a DistGraph) is not supported yet; call the layer "
-                    "outside the Engine block")
             return check_output(self, engine.run(program, g, vdata, edata), g)
         return program.run(g, vdata, edata, checked=True)
 

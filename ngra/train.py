@@ -1232,18 +1232,16 @@ def _engine_context(config: TrainConfig):
     return Engine(memory_budget=parse_bytes(config.memory_budget))
 
 
-def _distribute(config: TrainConfig, data, kwargs: dict, engine_ctx, device):
+def _distribute(config: TrainConfig, data, kwargs: dict, device):
     """Under a launcher with several workers (``torchrun``, ``ngra train --workers K``): join the
     group, cut the graph (``config.partition``) and keep this worker's piece, its rows of the
-    data and of the per-edge model inputs. Alone: everything as it is."""
+    data and of the per-edge model inputs (with ``--num-chunks`` / ``--memory-budget`` each
+    worker then streams its own piece). Alone: everything as it is."""
     from .distributed.launch import worker_info
 
     info = worker_info()
     if not info.distributed:
         return data, kwargs
-    if not isinstance(engine_ctx, contextlib.nullcontext):
-        raise ConfigError("streaming (--num-chunks / --memory-budget) inside each of several "
-                          "workers is not supported yet; leave it out or train on one worker")
     from .distributed import PARTITION_METHODS, DistGraph, Transport, partition
     from .distributed.launch import init_from_env, local_record
 
@@ -1304,7 +1302,7 @@ def setup(config: TrainConfig, *, data=None):
     full = data  # before a worker keeps its piece
     model = model.to(device)
     kwargs = {k: v.to(device) for k, v in kwargs.items()}
-    data, kwargs = _distribute(config, data, kwargs, engine_ctx, device)
+    data, kwargs = _distribute(config, data, kwargs, device)
     if not isinstance(engine_ctx, contextlib.nullcontext):
         # The engine plans its chunks on the first call; a budget that no chunking can meet is
         # the user's setting to fix, so find out now rather than inside the first epoch.

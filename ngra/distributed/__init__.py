@@ -15,9 +15,11 @@ without in-edges). Layers that mix rows across vertices or edges (batch norm in 
 reductions) are refused on a ``DistGraph``; dropout masks depend on the partition (a piece
 numbers its rows locally). ``ngra train --checkpoint`` works on several workers (rank 0 writes
 the state, which is the same on every worker, with each worker's RNG states; every worker reads
-it back on ``--resume``, bit for bit on the CPU, also after an elastic restart). Not supported
-yet: a streaming engine inside a worker, NGra's ring chunk sharing, overlapping the exchange
-with compute. ``DistGraph.from_store`` reads a worker's piece from an on-disk chunk store (only
+it back on ``--resume``, bit for bit on the CPU, also after an elastic restart). Inside
+``ngra.Engine(...)`` (``ngra train --workers K --num-chunks P`` / ``--memory-budget``) each worker
+streams its own piece: its destination columns one at a time under its own budget, with each
+source operand's halo rows exchanged once per layer call before the columns run. Not supported
+yet: NGra's ring chunk sharing, overlapping the exchange with compute. ``DistGraph.from_store`` reads a worker's piece from an on-disk chunk store (only
 the chunk columns of its vertex intervals: their in-edges); ``ngra train`` still reads the whole
 graph in every worker and cuts it.
 """

@@ -132,6 +132,13 @@ class _HaloExchange(torch.autograd.Function):
         return mine, None
 
 
+def _with_halo(u: torch.Tensor, halo: _Halo) -> torch.Tensor:
+    if u.shape[0] != halo.n:
+        raise ValueError(f"a source operand must have one row per vertex of this worker "
+                         f"({halo.n}) (got shape {tuple(u.shape)})")
+    return _HaloExchange.apply(u, halo)
+
+
 class DistOps(GraphOps):
     """Graph ops of a worker: a source-side (``u``) operand gets its halo rows appended first.
     Within one run a value is exchanged once however many ops read it."""
@@ -144,12 +151,9 @@ class DistOps(GraphOps):
     def _extend(self, u):
         if u is None:
             return None
-        if u.shape[0] != self.halo.n:
-            raise ValueError(f"a source operand must have one row per vertex of this worker "
-                             f"({self.halo.n}) (got shape {tuple(u.shape)})")
         hit = self._extended.get(id(u))
         if hit is None or hit[0] is not u:
-            hit = self._extended[id(u)] = (u, _HaloExchange.apply(u, self.halo))
+            hit = self._extended[id(u)] = (u, _with_halo(u, self.halo))
         return hit[1]
 
     def gsddmm(self, op, u, v, e):
@@ -384,6 +388,20 @@ class DistGraph(Graph):
         if program is not None:
             _check_distributable(program)
         return DistOps(self.in_csr(), backend, self._halo)
+
+    def check_program(self, program) -> None:
+        """Raise unless the compiled layer ``program`` acts row by row (see the module
+        docstring); what the streaming engine checks before it runs a layer on this piece."""
+        _check_distributable(program)
+
+    def exchange_sources(self, values: dict) -> dict:
+        """``{key: [u; halo rows of u]}`` for ``{key: u}`` (each u [n, ...], this worker's rows
+        of a vertex value read on the source side), exchanged in the dict's order: how the
+        streaming engine (``ngra.Engine`` around a DistGraph) extends a layer's source operands
+        once per call before it streams the piece's destination columns. Collective: every
+        worker calls it with the same keys in the same order. Differentiable (backward sends
+        the halo rows' gradients to their owners)."""
+        return {key: _with_halo(u, self._halo) for key, u in values.items()}
 
     def out_degrees(self) -> torch.Tensor:
         raise NotImplementedError("DistGraph.out_degrees: a worker does not hold the out-edges of "

@@ -62,7 +62,7 @@ def _reference(name):
     return out.detach(), float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-def _worker(rank, world, method, parts):
+def _worker(rank, world, method, parts, engine=None):
     from ngra.distributed import DistGraph, Transport, partition
 
     g = _problem()[0]
@@ -70,27 +70,43 @@ def _worker(rank, world, method, parts):
     if parts is None:
         parts = partition(g, world, method=method)
     dg = DistGraph.from_global(g, parts, t)
-    return dg.global_ids, dg.num_halo, _run_models(dg)
+    return dg.global_ids, dg.num_halo, _run_models(dg, engine)
 
 
-def _run_models(dg):
-    """Every zoo model's output, global loss and synced gradients on the piece ``dg``."""
+def _run_models(dg, engine=None):
+    """Every zoo model's output, global loss and synced gradients on the piece ``dg``;
+    ``engine``: keyword arguments of an ``ngra.Engine`` each worker streams its piece with
+    (``last_run`` of every streamed call is checked to have used the columns asked for)."""
+    import contextlib
+
     import torch.distributed as dist
 
+    import ngra
     from ngra.distributed import sync_gradients
 
     _, x, y, train, extra = _problem()
     ids = dg.global_ids
-    results = {}
+    results, intervals = {}, []
     for name in MODELS:
         model = _model(name)
-        out, loss = _step(model, dg, x[ids], y[ids], train[ids], _kwargs(name, extra, dg.edge_ids),
-                          int(train.sum()))
+        eng = ngra.Engine(**engine) if engine else None
+        with eng or contextlib.nullcontext():
+            out, loss = _step(model, dg, x[ids], y[ids], train[ids],
+                              _kwargs(name, extra, dg.edge_ids), int(train.sum()))
+        if eng is not None:
+            run = eng.last_run
+            if "num_chunks" in engine:
+                assert run["num_intervals"] == engine["num_chunks"], (name, run)
+            else:  # the budget chose P so that the estimate fits it
+                assert run["estimate"] <= eng.budget, (name, run)
+                intervals.append(run["num_intervals"])
         sync_gradients(model)
         total = loss.detach().clone()
         dist.all_reduce(total)
         results[name] = (out.detach(), float(total),
                          {k: p.grad.clone() for k, p in model.named_parameters()})
+    if dg.num_edges and intervals:
+        assert max(intervals) > 1, intervals  # the budget did make some layers stream
     return results
 
 
@@ -128,6 +144,54 @@ def test_edge_cases_worker_without_vertices_and_worker_without_edges():
     results = distutil.run(_worker, 4, None, parts, timeout=300)
     assert results[2][0].numel() == 0 and results[1][0].tolist() == [36, 37, 38, 39]
     _check(results)
+
+
+@pytest.mark.parametrize("world,method,engine", [
+    (1, "metis", {"num_chunks": 3}), (2, "metis", {"num_chunks": 4}),
+    (3, "random", {"num_chunks": 2}), (4, "contiguous", {"memory_budget": "1.5KiB"})])
+def test_each_worker_streams_its_piece_and_every_model_stays_exact(world, method, engine):
+    """The streaming engine inside each worker (its destination columns one at a time, the
+    halo rows exchanged once per call): outputs, loss and gradients equal one process."""
+    results = distutil.run(_worker, world, method, None, engine, timeout=300)
+    _check(results)
+
+
+def test_streamed_edge_cases_worker_without_vertices_and_worker_without_edges():
+    g, *_ = _problem()
+    parts = torch.zeros(N, dtype=torch.long)
+    parts[36:] = 1
+    parts[1:36:2] = 3
+    results = distutil.run(_worker, 4, None, parts, {"num_chunks": 3}, timeout=300)
+    assert results[2][0].numel() == 0
+    _check(results)
+
+
+def _engine_refusal_worker(rank, world):
+    import ngra
+    from ngra.distributed import DistGraph, Transport, partition
+
+    g, x, *_ = _problem()
+    dg = DistGraph.from_global(g, partition(g, world, method="contiguous"), Transport(timeout=60))
+    errors = []
+    for kw in ({"num_chunks": 2, "ordering": "rcm"},):
+        try:
+            with ngra.Engine(**kw):
+                _model("gcn")(dg, x[dg.global_ids])
+        except ValueError as e:
+            errors.append(str(e))
+    try:
+        with ngra.Engine(num_chunks=2):
+            _norm_layer("batch")(dg, x[dg.global_ids])
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_streaming_a_piece_refuses_a_reordering_and_row_mixing_layers():
+    for errors in distutil.run(_engine_refusal_worker, 2, timeout=300):
+        assert len(errors) == 2, errors
+        assert "ordering='rcm'" in errors[0] and "DistGraph" in errors[0], errors[0]
+        assert "cannot run on a DistGraph" in errors[1], errors[1]
 
 
 def _norm_layer(kind):

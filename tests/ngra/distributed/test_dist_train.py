@@ -1,6 +1,7 @@
 """`ngra train --workers K`: K real workers started by torch's elastic launcher train exactly as
-one process (losses and accuracies of every epoch, dropout off), and what is not supported yet
-is one line; checkpoints resume bit for bit, also after the launcher restarts failed workers."""
+one process (losses and accuracies of every epoch, dropout off), also when each streams its
+piece; a worker's error is one line; checkpoints resume bit for bit, also after the launcher
+restarts failed workers."""
 
 from __future__ import annotations
 
@@ -26,11 +27,15 @@ def _train(tmp_path, name, *extra):
     return json.loads(out.read_text()), res.stdout
 
 
-@pytest.mark.parametrize("model,workers,partition", [("gcn", 2, "metis"), ("sage", 3, "random")])
-def test_workers_train_like_one_process(tmp_path, model, workers, partition):
+@pytest.mark.parametrize("model,workers,partition,stream", [
+    ("gcn", 2, "metis", ()), ("sage", 3, "random", ()),
+    ("gat", 2, "contiguous", ("--num-chunks", "3"))])
+def test_workers_train_like_one_process(tmp_path, model, workers, partition, stream):
+    """``stream``: each worker streams its piece through the engine (the one process does not)."""
     one, _ = _train(tmp_path, "one", "--model", model, "--save-model", str(tmp_path / "one.pt"))
     many, stdout = _train(tmp_path, "many", "--model", model, "--workers", str(workers),
-                          "--partition", partition, "--save-model", str(tmp_path / "many.pt"))
+                          "--partition", partition, "--save-model", str(tmp_path / "many.pt"),
+                          *stream)
     assert stdout.count(f"{model} on sbm:") == 1  # only rank 0 reports
     assert len(one["history"]) == len(many["history"]) == 4
     for a, b in zip(one["history"], many["history"]):
@@ -48,11 +53,11 @@ def test_workers_train_like_one_process(tmp_path, model, workers, partition):
 
 def test_unsupported_combinations_are_one_line(tmp_path):
     res = subprocess.run([sys.executable, *BASE, "--model", "gcn", "--workers", "2",
-                          "--num-chunks", "2"],
+                          "--memory-budget", "1B"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 2
-    assert "streaming (--num-chunks / --memory-budget) inside each of several workers is not " \
-           "supported yet" in res.stderr
+    assert "the streaming engine cannot run gcn on sbm with --memory-budget 1B: memory_budget " \
+           "1 B cannot be met" in res.stderr, res.stderr[-2000:]
     last = res.stderr.strip().splitlines()[-1]
     # Which worker failed and how, not the launcher's banner of '=' characters.
     assert re.match(r"ngra train: error: a worker failed \(worker \d: exit code 2(; worker \d: "
