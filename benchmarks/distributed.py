@@ -13,8 +13,14 @@ warm-up step. Each worker reports:
 - CPU seconds of compute (process CPU time outside the exchange and the all-reduce, with one
   torch and one numba thread per worker), which does not count time lost to other workers on
   the same cores (this 2-core machine runs 4 workers on 2 cores);
-- piece bytes (its edges, CSR and vertex rows) and peak resident memory during training
-  (sampled from /proc), after the whole graph was dropped.
+- piece bytes (its edges, CSR and vertex rows), peak resident memory during training
+  (sampled from /proc, after the whole graph was dropped) and over the worker's whole life
+  (VmHWM, which includes reading and cutting the whole graph unless ``--from-store``).
+
+``--from-store P`` writes the graph once as a chunk store of P METIS-ordered intervals with its
+features and labels; each worker then reads only its piece (``DistGraph.from_store``: its chunk
+columns and rows), so no process but the writer ever holds the whole graph. ``--num-chunks`` /
+``--memory-budget`` make each worker stream its piece through ``ngra.Engine``.
 
 Projection: per worker, ``epoch = a * local_edges + b * local_vertices + bytes / bw + c * peers``
 with ``a, b`` fitted on the measured compute CPU times and ``bw, c`` on the measured exchange
@@ -23,6 +29,7 @@ halos. The model is checked by fitting it without the largest measured K and pre
 
     .venv/bin/python benchmarks/distributed.py --quick
     .venv/bin/python benchmarks/distributed.py --graphs coauthor-cs,rmat --workers 1,2,4
+    .venv/bin/python benchmarks/distributed.py --graphs rmat --from-store 8 --num-chunks 4
 """
 
 from __future__ import annotations
@@ -69,34 +76,44 @@ class _PeakSampler:
         return max(self.peak, _rss_bytes())
 
 
-def _worker(rank, world, folder, args):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ["NUMBA_NUM_THREADS"] = "1"  # one core per worker: numba's kernels too
-    import datetime
+def _hwm_bytes() -> int:
+    """The process's peak resident set since it started (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
+
+def _worker(rank, world, folder, args):
     import torch
-    import torch.distributed as dist
 
     import ngra
     from ngra.distributed import DistGraph, Transport, sync_gradients
     from ngra.nn.models import build_model
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=600))
     t = Transport(timeout=600, shared_memory=(args["transport"] == "shm") and world > 1)
     d = Path(folder)
-    # The whole graph is read, cut, and dropped before the timed steps (and the memory sampler).
-    src, dst = np.load(d / "src.npy"), np.load(d / "dst.npy")
-    x_all, y_all = np.load(d / "x.npy", mmap_mode="r"), np.load(d / "y.npy", mmap_mode="r")
-    parts = torch.from_numpy(np.load(d / "parts.npy"))
-    n_all = int(args["num_nodes"])
-    g = ngra.Graph._trusted(torch.from_numpy(src), torch.from_numpy(dst), n_all)
-    dg = DistGraph.from_global(g, parts, t)
-    ids = dg.global_ids.numpy()
-    x = torch.from_numpy(np.ascontiguousarray(x_all[ids]))
-    y = torch.from_numpy(np.ascontiguousarray(y_all[ids]))
-    del g, src, dst, x_all, y_all
+    if args["store"]:
+        # The piece alone is read: the worker's chunk columns (its in-edges) and its feature
+        # and label rows; no worker ever holds the whole graph.
+        from partition import ChunkStore
+
+        store = ChunkStore.open(d / "chunks", verify="lazy", mmap=False)
+        dg = DistGraph.from_store(store, t)
+        x, y = dg.read_rows(store, "x"), dg.read_rows(store, "y")
+        del store
+    else:
+        # The whole graph is read, cut, and dropped before the timed steps (and the sampler).
+        src, dst = np.load(d / "src.npy"), np.load(d / "dst.npy")
+        x_all, y_all = np.load(d / "x.npy", mmap_mode="r"), np.load(d / "y.npy", mmap_mode="r")
+        parts = torch.from_numpy(np.load(d / "parts.npy"))
+        g = ngra.Graph._trusted(torch.from_numpy(src), torch.from_numpy(dst), args["num_nodes"])
+        dg = DistGraph.from_global(g, parts, t)
+        ids = dg.global_ids.numpy()
+        x = torch.from_numpy(np.ascontiguousarray(x_all[ids]))
+        y = torch.from_numpy(np.ascontiguousarray(y_all[ids]))
+        del g, src, dst, x_all, y_all
+    n_all = args["num_nodes"]
     train = torch.ones(x.shape[0], dtype=torch.bool)
     torch.manual_seed(0)
     model = build_model("gcn", x.shape[1], args["hidden"], args["classes"], dropout=0.0)
@@ -104,12 +121,20 @@ def _worker(rank, world, folder, args):
     csr = dg.in_csr()
     piece = sum(a.numel() * a.element_size() for a in (dg.src, dg.dst, csr.indptr, csr.indices,
                                                       csr.eids, x, y))
+    engine = None
+    if args["num_chunks"] or args["memory_budget"]:
+        engine = ngra.Engine(num_chunks=args["num_chunks"] or None,
+                             memory_budget=args["memory_budget"] or None)
 
     def step():
         t0, c0 = time.perf_counter(), time.process_time()
         ex0 = dg.exchange_stats()
         opt.zero_grad(set_to_none=True)
-        out = model(dg, x)
+        if engine is not None:
+            with engine:
+                out = model(dg, x)
+        else:
+            out = model(dg, x)
         loss = torch.nn.functional.cross_entropy(out[train], y[train], reduction="sum") / n_all
         loss.backward()
         s0, sc0 = time.perf_counter(), time.process_time()
@@ -130,35 +155,16 @@ def _worker(rank, world, folder, args):
     steps = [step() for _ in range(args["epochs"])]
     peak = sampler.stop()
     med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
-    result = {"rank": rank, "n": dg.num_nodes, "halo": dg.num_halo, "edges": dg.num_edges,
-              "peers": len(dg._halo.need), "piece_bytes": piece, "peak_rss": peak, **med}
-    Path(folder, f"r{rank}.json").write_text(json.dumps(result))
-    os._exit(0)
+    return {"rank": rank, "n": dg.num_nodes, "halo": dg.num_halo, "edges": dg.num_edges,
+            "peers": len(dg._halo.need), "piece_bytes": piece, "peak_rss": peak,
+            "hwm": _hwm_bytes(), "intervals": engine.last_run["num_intervals"] if engine else 1,
+            **med}
 
 
 def _run_config(folder: Path, world: int, args: dict) -> list[dict]:
-    import multiprocessing as mp
+    from ngra.distributed.launch import spawn
 
-    ctx = mp.get_context("spawn")
-    for f in folder.glob("r*.json"):
-        f.unlink()
-    store = folder / "store"
-    if store.exists():
-        store.unlink()
-    procs = [ctx.Process(target=_worker, args=(r, world, str(folder), args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + args["timeout"]
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    missing = [r for r in range(world) if not (folder / f"r{r}.json").exists()]
-    if missing:
-        raise RuntimeError(f"worker(s) {missing} of {world} failed or timed out "
-                           f"(exit codes {[p.exitcode for p in procs]})")
-    return [json.loads((folder / f"r{r}.json").read_text()) for r in range(world)]
+    return spawn(_worker, world, str(folder), args, timeout=args["timeout"], pg_timeout=600)
 
 
 def _load_graph(name: str, args):
@@ -176,6 +182,20 @@ def _load_graph(name: str, args):
         return g, x, y, 16
     data = ngra.datasets.load(name, root=args.data_dir)
     return data.graph, data.x, data.y, int(data.y.max()) + 1
+
+
+def _write_store(path: Path, g, x, y, intervals: int):
+    """The graph as a chunk store of ``intervals`` METIS-ordered intervals, with x and y."""
+    from partition import ChunkStore, grid, reorder
+
+    t0 = time.perf_counter()
+    src, dst = g.src.numpy(), g.dst.numpy()
+    order = reorder(src, dst, g.num_nodes, method="metis", num_parts=intervals)
+    ChunkStore.write(path, grid(src, dst, g.num_nodes, num_intervals=intervals, ordering=order),
+                     vertex_arrays={"x": x.numpy(), "y": y.numpy()}, progress=False)
+    print(f"  chunk store of {intervals} METIS-ordered intervals written in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    return ChunkStore.open(path, verify="lazy")
 
 
 def _partition_stats(g, parts, k: int) -> dict:
@@ -214,6 +234,14 @@ def main(argv=None) -> int:
     ap.add_argument("--project", default="8,16,32,64", help="worker counts to project to")
     ap.add_argument("--data-dir", default=None, help="datasets folder (default: ../shared/datasets)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
+    ap.add_argument("--num-chunks", type=int, default=0,
+                    help="each worker streams its piece through ngra.Engine(num_chunks=P)")
+    ap.add_argument("--memory-budget", default="",
+                    help="each worker streams its piece under ngra.Engine(memory_budget=...)")
+    ap.add_argument("--from-store", type=int, default=0, metavar="P",
+                    help="write the graph once as a chunk store of P intervals (METIS order) "
+                         "and let each worker read only its piece from it (the partition is "
+                         "then runs of the store's intervals, method 'store')")
     ap.add_argument("--quick", action="store_true",
                     help="R-MAT 2**14 vertices / 200K edges, 2 epochs")
     ap.add_argument("--json", type=Path)
@@ -230,13 +258,23 @@ def main(argv=None) -> int:
         ap.error(f"--methods: choose from {list(METHODS)} (got {args.methods})")
     if args.epochs < 1:
         ap.error(f"--epochs must be >= 1 (got {args.epochs})")
+    if args.num_chunks and args.memory_budget:
+        ap.error("give one of --num-chunks and --memory-budget")
+    if args.num_chunks < 0 or args.from_store < 0:
+        ap.error("--num-chunks and --from-store take a positive number of intervals")
+    if args.from_store and max(workers) > args.from_store:
+        ap.error(f"--from-store {args.from_store}: a store of {args.from_store} intervals "
+                 f"serves at most {args.from_store} workers (got --workers {args.workers})")
+    if args.from_store:
+        methods = ["store"]
     if args.quick:
         args.rmat_scale, args.rmat_edges, args.epochs = 14, 200_000, 2
     if args.data_dir is None:
         args.data_dir = str(Path(__file__).resolve().parents[2] / "shared" / "datasets")
 
-    from ngra.distributed import partition
+    from ngra.distributed import DistGraph, partition
 
+    os.environ["NUMBA_NUM_THREADS"] = "1"  # one core per worker: numba's kernels too
     report = {}
     for name in [g for g in args.graphs.split(",") if g]:
         g, x, y, classes = _load_graph(name, args)
@@ -245,21 +283,30 @@ def main(argv=None) -> int:
               f"{args.transport} transport", flush=True)
         with tempfile.TemporaryDirectory(prefix="ngra-dist-bench-") as tmp:
             folder = Path(tmp)
-            np.save(folder / "src.npy", g.src.numpy())
-            np.save(folder / "dst.npy", g.dst.numpy())
-            np.save(folder / "x.npy", x.numpy())
-            np.save(folder / "y.npy", y.numpy())
+            store = None
+            if args.from_store:
+                store = _write_store(folder / "chunks", g, x, y, args.from_store)
+            else:
+                np.save(folder / "src.npy", g.src.numpy())
+                np.save(folder / "dst.npy", g.dst.numpy())
+                np.save(folder / "x.npy", x.numpy())
+                np.save(folder / "y.npy", y.numpy())
             wargs = {"num_nodes": g.num_nodes, "hidden": args.hidden, "classes": classes,
-                     "epochs": args.epochs, "transport": args.transport, "timeout": args.timeout}
+                     "epochs": args.epochs, "transport": args.transport, "timeout": args.timeout,
+                     "store": bool(args.from_store), "num_chunks": args.num_chunks,
+                     "memory_budget": args.memory_budget}
             rows = []
             for method in methods:
                 for k in workers:
                     if k == 1 and method != methods[0]:
                         continue  # one worker: the partition does not matter
                     t0 = time.perf_counter()
-                    parts = partition(g, k, method=method)
+                    if store is not None:  # runs of the store's intervals (METIS-ordered)
+                        parts = DistGraph.store_parts(store, k)
+                    else:
+                        parts = partition(g, k, method=method)
+                        np.save(folder / "parts.npy", parts.numpy())
                     part_s = time.perf_counter() - t0
-                    np.save(folder / "parts.npy", parts.numpy())
                     res = _run_config(folder, k, wargs)
                     stats = _partition_stats(g, parts, k)
                     rows.append({"method": method if k > 1 else "-", "k": k, "workers": res,
@@ -267,7 +314,10 @@ def main(argv=None) -> int:
                                      s: v.tolist() for s, v in stats.items()}})
                     _print_row(rows[-1])
             report[name] = {"rows": rows}
-            report[name]["projection"] = _project(g, rows, workers, project, methods, partition)
+            # A store's runs are not a partition method: project with METIS partitions.
+            report[name]["projection"] = _project(
+                g, rows, workers, project, ["metis" if m == "store" else m for m in methods],
+                partition)
         del g, x, y
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=float))
@@ -283,7 +333,9 @@ def _print_row(row) -> None:
           f" + exchange {mx('exchange') * 1e3:7.1f} (wait {mx('wait') * 1e3:6.1f}) + sync {mx('sync') * 1e3:6.1f}"
           f" | compute CPU {mx('compute_cpu') * 1e3:7.1f} ms | hidden 0%"
           f" | piece {mx('piece_bytes') / mib:7.1f} MiB, peak RSS {mx('peak_rss') / mib:7.0f} MiB"
-          f" | partition {row['partition_s']:.1f} s", flush=True)
+          f" (whole life {mx('hwm') / mib:7.0f} MiB)"
+          + (f" | streamed in {mx('intervals')} columns" if mx("intervals") > 1 else "")
+          + f" | partition {row['partition_s']:.1f} s", flush=True)
 
 
 def _project(g, rows, workers, project, methods, partition) -> dict:

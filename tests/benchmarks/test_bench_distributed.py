@@ -35,3 +35,28 @@ def test_bad_workers_is_a_usage_error():
     res = subprocess.run([sys.executable, str(SCRIPT), "--workers", "0"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 2 and "--workers must be between 1 and 16" in res.stderr
+
+
+def test_pieces_read_from_a_store_and_streamed():
+    """--from-store: workers read only their pieces from a chunk store; --num-chunks: each
+    streams its piece. Rows are printed for the store's runs, and the pieces shrink with K."""
+    res = subprocess.run([sys.executable, str(SCRIPT), "--graphs", "rmat", "--rmat-scale", "10",
+                          "--rmat-edges", "8000", "--features", "16", "--hidden", "8",
+                          "--epochs", "1", "--workers", "1,2", "--from-store", "4",
+                          "--num-chunks", "3", "--project", "4"],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = res.stdout
+    rows = {}
+    for m in re.finditer(r"^ +(\S+) K=(\d): halo MiB/epoch in +([\d.]+) \|.*piece +([\d.]+) MiB"
+                         r".*streamed in (\d+) columns", out, re.M):
+        rows[(m.group(1), int(m.group(2)))] = (float(m.group(3)), float(m.group(4)),
+                                               int(m.group(5)))
+    assert set(rows) == {("-", 1), ("store", 2)}, out
+    assert rows[("store", 2)][0] > 0 and rows[("store", 2)][1] < rows[("-", 1)][1]
+    assert rows[("-", 1)][2] == rows[("store", 2)][2] == 3
+    assert "chunk store of 4 METIS-ordered intervals written" in out
+    assert re.search(r"projected K= +4 +metis: epoch", out), out
+    res = subprocess.run([sys.executable, str(SCRIPT), "--workers", "1,4", "--from-store", "2"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 2 and "serves at most 2 workers" in res.stderr, res.stderr
