@@ -1,5 +1,5 @@
-"""Command line: ``ngra train``, ``ngra evaluate``, ``ngra predict`` and ``ngra info`` (also
-``python -m ngra``).
+"""Command line: ``ngra train``, ``ngra evaluate``, ``ngra predict``, ``ngra info`` and ``ngra
+partition`` (also ``python -m ngra``).
 
 User errors (bad values, unknown names, missing folders, a damaged checkpoint, a run that
 diverged or needs more memory than there is) print one line,
@@ -18,7 +18,7 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-_COMMANDS = ("train", "evaluate", "predict", "info")
+_COMMANDS = ("train", "evaluate", "predict", "info", "partition")
 
 _EXAMPLES = """examples:
   ngra train --model gcn --dataset cora --data-dir ../shared/datasets --seed 0 --metrics-json out.json
@@ -28,6 +28,8 @@ _EXAMPLES = """examples:
   ngra evaluate --model-file gcn.pt --data-dir ../shared/datasets
   ngra predict --model-file gcn.pt --data-dir ../shared/datasets --output pred.csv
   ngra info --dataset cora --data-dir ../shared/datasets
+  ngra partition --dataset sbm --dataset-option num_nodes=100000 --out sbm100k --intervals 8
+  ngra train --model gcn --dataset sbm100k --workers 4
 """
 
 
@@ -65,7 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                "score; --metrics-json writes them (fractions in [0, 1]) with epoch_time_s and "
                "peak_memory_bytes (the process's peak resident memory, ru_maxrss).")
     t.add_argument("--model", required=True, metavar="NAME", help=f"one of: {', '.join(MODELS)}")
-    t.add_argument("--dataset", required=True, metavar="NAME", help=f"one of: {', '.join(available())}")
+    t.add_argument("--dataset", required=True, metavar="NAME",
+                   help=f"one of: {', '.join(available())}; or a folder written by ngra partition "
+                        "(with several workers each reads only its piece)")
     t.add_argument("--data-dir", metavar="DIR",
                    help="folder with planetoid/, npz/, ogb/ (default: $NGRA_DATASETS or "
                         "~/.cache/ngra/datasets); not needed for sbm, karate")
@@ -148,6 +152,32 @@ def _parser() -> argparse.ArgumentParser:
                                                                    "num_edges=1000000 for rmat"})
     i.add_argument("--json", action="store_true", help="print the statistics as JSON")
     i.set_defaults(handler=_info)
+
+    text = ("write a dataset as a chunk store, so that each of several workers reads only its "
+            "piece (then: ngra train --dataset FOLDER --workers K)")
+    s = sub.add_parser("partition", help=text, description=text[0].upper() + text[1:] + ". The "
+                       "vertices are ordered (METIS by default) and cut into --intervals "
+                       "intervals; K workers take runs of them, so give at least as many intervals "
+                       "as workers.")
+    s.add_argument("--dataset", required=True, metavar="NAME", help=f"one of: {', '.join(available())}")
+    s.add_argument("--data-dir", metavar="DIR", help="as for train")
+    s.add_argument("--dataset-option", **{**dataset_option, "help": "as for train"})
+    s.add_argument("--seed", type=int, default=0, help="split seed of random-split datasets, as "
+                                                       "for train (default 0)")
+    snorm = s.add_mutually_exclusive_group()
+    snorm.add_argument("--normalize-features", dest="normalize_features", action="store_const",
+                       const=True, help="write row-normalized features (default: as train does)")
+    snorm.add_argument("--raw-features", dest="normalize_features", action="store_const",
+                       const=False, help="write the features as stored")
+    s.add_argument("--out", required=True, metavar="FOLDER", help="the folder to write")
+    s.add_argument("--intervals", type=int, required=True, metavar="P",
+                   help="vertex intervals (at least the number of workers that will train on it)")
+    s.add_argument("--ordering", choices=("metis", "rcm", "identity"), default="metis",
+                   help="vertex order before cutting (default metis: the intervals are METIS "
+                        "parts)")
+    s.add_argument("--overwrite", action="store_true", help="replace a dataset written there before")
+    s.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    s.set_defaults(handler=_partition)
     return p
 
 
@@ -332,6 +362,41 @@ def _info(args) -> int:
         if isinstance(v, float):
             v = f"{v:.3f}"
         print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _partition(args) -> int:
+    from .datasets.stored import is_stored, write_stored
+    from .train import _ROW_NORMALIZED, load_dataset
+
+    if is_stored(args.dataset):
+        raise _user("partition", f"{args.dataset!r} is already a stored dataset; give the name "
+                                 "of the dataset it was written from")
+    if args.intervals < 1:
+        raise _user("partition", f"--intervals must be >= 1 (got {args.intervals})")
+    normalized = args.normalize_features
+    if normalized is None:
+        normalized = args.dataset.lower() in _ROW_NORMALIZED
+    try:
+        data = load_dataset(args.dataset, args.data_dir, seed=args.seed,
+                            normalize_features=normalized,
+                            options=_options(args.dataset_option, "partition"))
+        if data.x is None or data.y is None:
+            raise ValueError(f"dataset {args.dataset!r} has no features or labels, so it cannot "
+                             "be trained on; write a labelled dataset such as sbm")
+        if args.intervals > data.num_nodes:
+            raise ValueError(f"--intervals {args.intervals} is more than the {data.num_nodes} "
+                             "vertices; give fewer")
+        stored = write_stored(data, args.out, num_intervals=args.intervals,
+                              ordering=args.ordering, normalized=normalized,
+                              overwrite=args.overwrite, progress=args.progress)
+    except (ValueError, TypeError, OSError) as e:
+        raise _user("partition", str(e)) from e
+    counts = stored.store.counts.sum(0)
+    print(f"wrote {args.out}: {stored.num_nodes} vertices, {stored.num_edges} edges in "
+          f"{args.intervals} intervals ({args.ordering} order; in-edges per interval "
+          f"{int(counts.min())}..{int(counts.max())}); train on it with: ngra train --dataset "
+          f"{args.out} --model gcn --workers K (K <= {args.intervals})")
     return 0
 
 

@@ -221,13 +221,15 @@ class TrainConfig:
         ``with_data=True``: the dataset record is given (``run(config, data=...)``), so
         ``dataset`` only names it and may be any string."""
         from .datasets import available
+        from .datasets.stored import is_stored
 
         hp = self.hparams()
         if not isinstance(self.dataset, str) or not self.dataset:
             raise ConfigError(f"dataset must be a name (got {self.dataset!r}); choose one of "
                               f"{', '.join(available())}")
-        if not with_data and self.dataset.lower() not in available():
-            raise ConfigError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(available())}")
+        if not with_data and self.dataset.lower() not in available() and not is_stored(self.dataset):
+            raise ConfigError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(available())}, "
+                              "or a folder written by `ngra partition`")
         _check_int("seed", self.seed, 0, "give a non-negative integer seed such as --seed 0")
         _check_int("checkpoint_every", self.checkpoint_every, 1, "checkpoint every N >= 1 epochs")
         _check_int("log_every", self.log_every, 0, "give 0 (never) or a number of epochs")
@@ -1128,9 +1130,16 @@ def load_dataset(name: str, data_dir=None, *, seed: int = 0, normalize_features:
     raise :class:`ConfigError`."""
     from . import datasets
     from .datasets.npz import NPZ_FILES
+    from .datasets.stored import is_stored
 
     if not isinstance(name, str):
         raise ConfigError(f"dataset must be a name (got {name!r}); see ngra.datasets.available()")
+    if is_stored(name):  # a folder written by `ngra partition`
+        stored = open_stored(name, normalize_features, options)
+        data = stored.load()
+        if normalize_features and not stored.normalized:
+            data.x = datasets.row_normalize(data.x)
+        return data
     name = name.lower()
     if data_dir is not None and name not in ("sbm", "karate", "rmat"):
         root = Path(data_dir)
@@ -1232,6 +1241,45 @@ def _engine_context(config: TrainConfig):
     return Engine(memory_budget=parse_bytes(config.memory_budget))
 
 
+def open_stored(path: str, normalize_features: bool | None, options: dict | None):
+    """The stored dataset at ``path`` (written by ``ngra partition``), opened without reading it,
+    after checking that the settings can apply: the dataset options were used when it was
+    written, and its features cannot be un-normalized."""
+    from .datasets.stored import StoredDataset
+
+    if options:
+        raise ConfigError(f"dataset options ({', '.join(options)}) do not apply to the stored "
+                          f"dataset {path!r}: they were used when it was written; write it again "
+                          "with `ngra partition ... --dataset-option ...`")
+    try:
+        stored = StoredDataset.open(path)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from e
+    if normalize_features is False and stored.normalized:
+        raise ConfigError(f"the stored dataset {path!r} was written with row-normalized features, "
+                          "so --raw-features cannot apply; write it again with `ngra partition "
+                          "... --raw-features`")
+    return stored
+
+
+def _has_array(data, attr: str) -> bool:
+    """Whether the dataset record (or a stored dataset, not read yet) has vertex array ``attr``."""
+    from .datasets.stored import StoredDataset
+
+    if isinstance(data, StoredDataset):
+        return attr in data.meta["arrays"]
+    return getattr(data, attr, None) is not None
+
+
+def _split_size(data, mask: str) -> int:
+    from .datasets.stored import StoredDataset
+
+    if isinstance(data, StoredDataset):
+        return int(data.split.get(mask, 0))
+    m = getattr(data, mask, None)
+    return 0 if m is None else int(m.sum())
+
+
 def _distribute(config: TrainConfig, data, kwargs: dict, device):
     """Under a launcher with several workers (``torchrun``, ``ngra train --workers K``): join the
     group, cut the graph (``config.partition``) and keep this worker's piece, its rows of the
@@ -1242,19 +1290,37 @@ def _distribute(config: TrainConfig, data, kwargs: dict, device):
     info = worker_info()
     if not info.distributed:
         return data, kwargs
+    from .datasets import row_normalize
+    from .datasets.stored import StoredDataset
     from .distributed import PARTITION_METHODS, DistGraph, Transport, partition
     from .distributed.launch import init_from_env, local_record
 
     if config.partition not in PARTITION_METHODS:
         raise ConfigError(f"partition must be one of {list(PARTITION_METHODS)} "
                           f"(got {config.partition!r})")
+    stored = isinstance(data, StoredDataset)
+    if stored and config.partition != "metis":
+        raise ConfigError(f"--partition {config.partition} does not apply to the stored dataset "
+                          f"{config.dataset!r}: its workers take runs of its intervals (ordered "
+                          f"by {data.meta.get('ordering', '?')} when it was written); leave "
+                          "--partition out")
+    if stored and data.store.num_intervals < info.world_size:
+        raise ConfigError(f"the stored dataset {config.dataset!r} has {data.store.num_intervals} "
+                          f"intervals, fewer than the {info.world_size} workers; write it again "
+                          f"with `ngra partition ... --intervals {info.world_size}` or more")
     init_from_env(device)
-    g = data.graph
-    parts = partition(g, info.world_size, method=config.partition, seed=config.seed)
-    dg = DistGraph.from_global(g, parts, Transport(device=device))
-    edge_rows = {k: v[dg.edge_ids.to(v.device)] if v.dim() and v.shape[0] == g.num_edges else v
+    if stored:  # only this worker's chunk columns and rows are read
+        local = data.piece(Transport(device=device))
+        if config.normalize_features and not data.normalized:
+            local.x = row_normalize(local.x)
+    else:
+        parts = partition(data.graph, info.world_size, method=config.partition, seed=config.seed)
+        local = local_record(data, DistGraph.from_global(data.graph, parts,
+                                                         Transport(device=device)))
+    dg, num_edges = local.graph, data.graph.num_edges
+    edge_rows = {k: v[dg.edge_ids.to(v.device)] if v.dim() and v.shape[0] == num_edges else v
                  for k, v in kwargs.items()}
-    return local_record(data, dg), edge_rows
+    return local, edge_rows
 
 
 def setup(config: TrainConfig, *, data=None):
@@ -1276,20 +1342,30 @@ def setup(config: TrainConfig, *, data=None):
     engine_ctx = _engine_context(config)
     normalized = config.normalize_features
     if data is None:
-        if normalized is None:
+        from .datasets.stored import is_stored
+        from .distributed.launch import worker_info
+
+        if is_stored(config.dataset):
+            stored = open_stored(config.dataset, normalized, config.dataset_options)
+            normalized = stored.normalized or bool(normalized)
+            if worker_info().distributed:
+                data = stored  # each worker reads its piece (_distribute), never the whole
+        elif normalized is None:
             normalized = config.dataset.lower() in _ROW_NORMALIZED
-        data = load_dataset(config.dataset, config.data_dir, seed=config.seed,
-                            normalize_features=config.normalize_features, options=config.dataset_options)
+        if data is None:
+            data = load_dataset(config.dataset, config.data_dir, seed=config.seed,
+                                normalize_features=config.normalize_features,
+                                options=config.dataset_options)
     missing = [what for attr, what in (("x", "vertex features (x)"), ("y", "labels (y)"),
                                        ("train_mask", "training split (train_mask)"))
-               if getattr(data, attr, None) is None]
+               if not _has_array(data, attr)]
     if missing:
         raise ConfigError(
             f"dataset {config.dataset!r} has no {' and no '.join(missing)}; training needs features "
             "x [N, F], labels y [N] and a train_mask. Choose a dataset that has them (see `ngra info "
             "--dataset NAME`), or build an ngra.datasets.Dataset with them and pass it as "
             "run(config, data=...)")
-    if hp.patience is not None and (data.val_mask is None or not bool(data.val_mask.any())):
+    if hp.patience is not None and not _split_size(data, "val_mask"):
         raise ConfigError(f"dataset {config.dataset!r} has no validation vertices, so early stopping "
                           f"(patience={hp.patience}) cannot work; pass --patience 0")
     device = _device(config.device)
@@ -1322,7 +1398,10 @@ def setup(config: TrainConfig, *, data=None):
     if config.model == "gat":
         run_info["heads"] = hp.heads
     if _workers(data.graph) is not None:
-        run_info["partition"] = config.partition
+        from .datasets.stored import StoredDataset
+
+        run_info["partition"] = f"stored intervals ({full.meta.get('ordering', '?')} order)" \
+            if isinstance(full, StoredDataset) else config.partition
     if config.dataset_options:
         run_info["dataset_options"] = {k: config.dataset_options[k] for k in sorted(config.dataset_options)}
     fit_kwargs = dict(epochs=hp.epochs, lr=hp.lr, weight_decay=hp.weight_decay,

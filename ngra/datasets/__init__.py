@@ -23,10 +23,12 @@ from .generators import karate, rmat, rmat_edges, sbm
 from .npz import NPZ_FILES, read_npz
 from .ogb import OGB_NODE, read_ogb_node
 from .planetoid import PLANETOID_NAMES, read_planetoid
+from .stored import StoredDataset, read_stored, write_stored
 from .text import read_edge_list
 
 __all__ = ["Dataset", "DatasetError", "ChecksumError", "load", "available", "download", "sbm", "rmat_edges", "rmat",
-           "karate", "read_edge_list", "row_normalize", "default_root"]
+           "karate", "read_edge_list", "row_normalize", "default_root", "write_stored", "read_stored",
+           "StoredDataset"]
 
 
 def _planetoid(name, root, *, verify_checksums=True):

@@ -19,9 +19,13 @@ it back on ``--resume``, bit for bit on the CPU, also after an elastic restart).
 ``ngra.Engine(...)`` (``ngra train --workers K --num-chunks P`` / ``--memory-budget``) each worker
 streams its own piece: its destination columns one at a time under its own budget, with each
 source operand's halo rows exchanged once per layer call before the columns run. Not supported
-yet: NGra's ring chunk sharing, overlapping the exchange with compute. ``DistGraph.from_store`` reads a worker's piece from an on-disk chunk store (only
-the chunk columns of its vertex intervals: their in-edges); ``ngra train`` still reads the whole
-graph in every worker and cuts it.
+yet: NGra's ring chunk sharing, overlapping the exchange with compute.
+
+``DistGraph.from_store`` reads a worker's piece from an on-disk chunk store (only the chunk
+columns of its vertex intervals: their in-edges). ``ngra train --dataset FOLDER`` on a dataset
+written by ``ngra partition`` (:mod:`ngra.datasets.stored`) does that in every worker, which
+then reads only its rows of the features, labels and splits; on a dataset given by name each
+worker still reads the whole graph and cuts it.
 """
 
 from .fused import FusedAdam

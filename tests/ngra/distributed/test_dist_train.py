@@ -147,3 +147,81 @@ def test_killed_worker_restarts_and_resumes_bit_for_bit(tmp_path):
     assert m["resumed_from"] is not None and 1 <= m["resumed_from"] < 40
     a, b = _weights(ref), _weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_stored_dataset_trains_like_the_dataset_on_one_process_and_on_workers(tmp_path):
+    """`ngra partition` writes sbm as a chunk store; `ngra train --dataset FOLDER` on one
+    process (which reads it whole) and on 3 workers streaming their pieces (each reads only its
+    own) give the same run as training on sbm itself."""
+    folder = tmp_path / "sbm-store"
+    res = subprocess.run([sys.executable, "-m", "ngra", "partition", "--dataset", "sbm",
+                          "--dataset-option", "num_nodes=600", "--seed", "1", "--out",
+                          str(folder), "--intervals", "5", "--no-progress"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"wrote {folder}: 600 vertices" in res.stdout and "5 intervals (metis order" \
+        in res.stdout, res.stdout
+    one, _ = _train(tmp_path, "one", "--model", "gat")
+    stored = subprocess.run([sys.executable, *BASE[:4], str(folder), *BASE[7:], "--model", "gat",
+                             "--metrics-json", str(tmp_path / "stored.json")],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert stored.returncode == 0, stored.stderr[-3000:]
+    many = subprocess.run([sys.executable, *BASE[:4], str(folder), *BASE[7:], "--model", "gat",
+                           "--workers", "3", "--num-chunks", "2",
+                           "--metrics-json", str(tmp_path / "many.json")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert many.returncode == 0, many.stderr[-3000:]
+    for other in (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("stored", "many")):
+        assert len(other["history"]) == len(one["history"]) == 4
+        for a, b in zip(one["history"], other["history"]):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+            for k in ("train_acc", "val_acc"):
+                assert b[k] == pytest.approx(a[k], abs=1e-6)
+        for k in ("train_acc", "val_acc", "test_acc"):
+            assert other[k] == pytest.approx(one[k], abs=1e-6)
+
+
+def test_stored_dataset_errors_are_one_line(tmp_path):
+    folder = tmp_path / "s"
+    part = [sys.executable, "-m", "ngra", "partition", "--dataset", "sbm", "--dataset-option",
+            "num_nodes=600", "--out", str(folder), "--intervals", "2", "--no-progress"]
+    assert subprocess.run(part, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT).returncode == 0
+    cases = [
+        (part, "already holds a stored dataset; pass overwrite=True (--overwrite)"),
+        ([sys.executable, "-m", "ngra", "partition", "--dataset", str(folder), "--out",
+          str(tmp_path / "t"), "--intervals", "2"], "is already a stored dataset"),
+        ([sys.executable, "-m", "ngra", "partition", "--dataset", "sbm", "--out",
+          str(tmp_path / "u"), "--intervals", "0"], "--intervals must be >= 1 (got 0)"),
+        ([sys.executable, *BASE[:4], str(folder), *BASE[7:], "--model", "gcn", "--workers",
+          "2", "--partition", "random"], "--partition random does not apply to the stored "
+                                         "dataset"),
+        ([sys.executable, *BASE[:4], str(folder), *BASE[7:], "--model", "gcn", "--workers",
+          "3"], "has 2 intervals, fewer than the 3 workers"),
+    ]
+    for argv, message in cases:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert res.returncode == 2 and message in res.stderr, (argv, res.stderr[-2000:])
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "keep.txt").write_text("mine")
+    plain = [str(tmp_path / "plain") if a == str(folder) else a for a in part]
+    res = subprocess.run(plain, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 2 and "is a folder that is not a stored dataset" in res.stderr
+    assert (tmp_path / "plain" / "keep.txt").read_text() == "mine"  # nothing there replaced
+
+
+def test_stored_dataset_settings_that_cannot_apply_are_refused(tmp_path):
+    folder = tmp_path / "n"
+    assert subprocess.run([sys.executable, "-m", "ngra", "partition", "--dataset", "sbm",
+                           "--dataset-option", "num_nodes=600", "--normalize-features", "--out",
+                           str(folder), "--intervals", "2", "--no-progress"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT).returncode == 0
+    for extra, message in ((["--raw-features"], "--raw-features cannot apply"),
+                           (["--dataset-option", "num_nodes=10"],
+                            "dataset options (num_nodes) do not apply to the stored dataset")):
+        for workers in ([], ["--workers", "2"]):
+            res = subprocess.run([sys.executable, *BASE[:4], str(folder), *BASE[7:], "--model",
+                                  "gcn", *extra, *workers], capture_output=True, text=True,
+                                 timeout=300, cwd=ROOT)
+            assert res.returncode == 2 and message in res.stderr, (extra, workers,
+                                                                   res.stderr[-2000:])
