@@ -1,4 +1,4 @@
-"""Source-blocked sum/mean g-SpMM of the numba CPU backend (kernels._numba_cpu._spmm_sum with
+"""Source-blocked sum/mean g-SpMM of the numba CPU backend (kernels._cpu.spmm._spmm_sum with
 nblk > 1): results and gradients against the dense reference, the blocked layout itself, bitwise
 determinism, and the cost model's choice of block count.
 
@@ -12,6 +12,7 @@ import torch
 
 import kernels
 from kernels import _numba_cpu
+from kernels._cpu import blocking as cpu_blocking
 
 from kernels_testutil import GRAPH_IDS, GRAPHS, make_csr, rand, ref_gsddmm, ref_gspmm
 
@@ -129,11 +130,11 @@ def test_blocked_is_bitwise_deterministic(force_blocks):
 
 def test_cost_model(monkeypatch):
     """Pinned to a 32 MiB L3 so the expectations do not depend on the test machine."""
-    monkeypatch.setattr(_numba_cpu, "_GATHER_MODEL",
-                        _numba_cpu._GATHER_MODEL._replace(block_bytes=(32 << 20) // 4))
-    monkeypatch.setattr(_numba_cpu, "_SDDMM_MODEL",
-                        _numba_cpu._SDDMM_MODEL._replace(block_bytes=(32 << 20) // 5))
-    nb = _numba_cpu._num_blocks
+    monkeypatch.setattr(cpu_blocking, "_GATHER_MODEL",
+                        cpu_blocking._GATHER_MODEL._replace(block_bytes=(32 << 20) // 4))
+    monkeypatch.setattr(cpu_blocking, "_SDDMM_MODEL",
+                        cpu_blocking._SDDMM_MODEL._replace(block_bytes=(32 << 20) // 5))
+    nb = cpu_blocking._num_blocks
     # sources fit the block budget: no blocking
     assert nb(1000, 1000, 10**6, 256, 256) == 1
     assert nb(100_000, 100_000, 0, 4096, 4096) == 1
@@ -147,7 +148,7 @@ def test_cost_model(monkeypatch):
     # a wide output read once per block pays less with a narrow source (u_mul_e on heads)
     assert nb(200_000, 200_000, 3_000_000, 256, 4096) <= k64
     # the g-SDDMM's own fit: more blocks than the register-tile gather at F = 64 (8 vs 4 fastest)
-    assert nb(200_000, 200_000, 3_000_000, 256, 128, _numba_cpu._SDDMM_MODEL) > k64
+    assert nb(200_000, 200_000, 3_000_000, 256, 128, cpu_blocking._SDDMM_MODEL) > k64
     # R-MAT scale 21 at F = 16: fitted to the rows receiving 95% of the gathers (368K of 2.1M),
     # 2 blocks instead of 4 (measured faster); at F = 64 the same 4 either way
     rmat = (1 << 21, 1 << 21, 16 << 21)
@@ -157,9 +158,12 @@ def test_cost_model(monkeypatch):
     assert nb(1000, 1000, 10**6, 256, 256, hot_src=10**6) == 1  # capped at num_src
     assert nb(*rmat, 64, 64, hot_src=lambda: 368_400) == 2
     assert nb(1000, 1000, 10**6, 256, 256, hot_src=lambda: 1 / 0) == 1  # not called: fits
+    # the host's block count: the cost model's, unless a test forces one
+    count = _numba_cpu._block_count
+    assert count(*rmat, 64, 64, hot_src=lambda: 368_400) == 2
     monkeypatch.setattr(_numba_cpu, "_FORCE_BLOCKS", 3)
-    assert nb(1000, 1000, 10**6, 256, 256) == 3
-    assert nb(2, 2, 4, 4, 4) == 2  # never more blocks than sources
+    assert count(1000, 1000, 10**6, 256, 256) == 3
+    assert count(2, 2, 4, 4, 4) == 2  # never more blocks than sources
 
 
 @pytest.mark.parametrize("n,e,skew", [(5, 0, 0), (1, 7, 0), (10, 3, 0), (1000, 20_000, 0),
@@ -173,12 +177,12 @@ def test_hot_sources_counts_the_rows_taking_95_percent_of_the_edges(n, e, skew):
     deg = torch.bincount(src, minlength=n).sort(descending=True).values
     covered = deg.cumsum(0)
     want = 0 if e == 0 else int((covered < 0.95 * e).sum()) + 1
-    assert _numba_cpu._hot_sources(csr) == want
+    assert cpu_blocking._hot_sources(csr) == want
     # the same count from the transpose's row lengths, as in backward
     again = kernels.CSR.from_coo(src.int(), dst.int(), n)
     again.transpose()
-    assert _numba_cpu._hot_sources(again) == want
-    assert _numba_cpu._hot_sources(again.transpose()) == _numba_cpu._hot_sources(
+    assert cpu_blocking._hot_sources(again) == want
+    assert cpu_blocking._hot_sources(again.transpose()) == cpu_blocking._hot_sources(
         kernels.CSR.from_coo(dst.int(), src.int(), n))
     if e and skew:
         assert want < 0.75 * n  # the skewed graphs are skewed (uniform: ~0.9 n)

@@ -92,7 +92,7 @@ def test_vectorizable_exp_matches_libm(dtype):
     0 -> 1, underflow -> 0. The reference is exact (``decimal``), so the test does not depend on
     the CPU's instruction set or the numpy version (np.exp of numpy 1.26 with AVX-512 is itself
     up to 1 ulp from libm)."""
-    from kernels._numba_cpu import _vexp
+    from kernels._cpu.fastmath import _vexp
 
     @numba.njit
     def vexp(x, out):

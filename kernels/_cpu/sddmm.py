@@ -1,0 +1,64 @@
+"""The g-SDDMM kernel: one result row per edge, in source blocks where the host asks
+(:func:`_sddmm`)."""
+
+from __future__ import annotations
+
+from numba import njit, prange
+
+from .codes import S_COPY, S_DOT, S_DOT_ROW, S_SAME, _bop
+from .intrinsics import _prefetch_row
+from .tiles import _dot
+
+
+@njit(inline="always")
+def _row(target, s, v, eid):
+    if target == 0:
+        return s
+    if target == 1:
+        return v
+    return eid
+
+
+# reassoc lets LLVM vectorize the dot-product reduction (a fixed, compile-time order: results
+# stay bitwise reproducible run to run, though not identical to a sequential sum).
+@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _sddmm(parts, bptr, nblk, indices, eids, L, lt, R, rt, out, op, mode, loff, roff, red, pf):
+    """One result row per edge, written at the edge's id; in ``nblk`` source blocks laid out as
+    for :func:`_spmm_sum` (``bptr`` = indptr when unblocked). Each edge is written once, so the
+    block order changes no result."""
+    lo = out.shape[1]
+    ll = L.shape[1]
+    line = max(1, 64 // L.itemsize)
+    nd = parts[parts.size - 1]
+    for blk in range(nblk):
+        base = blk * nd
+        for p in prange(parts.size - 1):
+            pend = bptr[base + parts[p + 1]]
+            for v in range(parts[p], parts[p + 1]):
+                for k in range(bptr[base + v], bptr[base + v + 1]):
+                    if lt == 0 and k + pf < pend:
+                        _prefetch_row(L, indices[k + pf], ll, line)
+                    s = indices[k]
+                    eid = eids[k]
+                    lrow = L[_row(lt, s, v, eid)]
+                    rrow = R[_row(rt, s, v, eid)]
+                    orow = out[eid]
+                    if mode == S_DOT_ROW:
+                        out[eid, 0] = _dot(L, _row(lt, s, v, eid), R, _row(rt, s, v, eid), red)
+                    elif mode == S_DOT:
+                        for j in range(lo):
+                            a = loff[j]
+                            b = roff[j]
+                            acc = lrow[a] * rrow[b]
+                            for d in range(1, red):
+                                acc += lrow[a + d] * rrow[b + d]
+                            orow[j] = acc
+                    elif mode == S_COPY:
+                        for f in range(lo):
+                            orow[f] = lrow[f]
+                    elif mode == S_SAME:
+                        for f in range(lo):
+                            orow[f] = _bop(op, lrow[f], rrow[f])
+                    else:
+                        for f in range(lo):
+                            orow[f] = _bop(op, lrow[loff[f]], rrow[roff[f]])
