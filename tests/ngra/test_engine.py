@@ -387,7 +387,7 @@ def test_in_place_edge_ops_recompute_whole_columns():
     x = torch.randn(30, 3, dtype=torch.float64, requires_grad=True)
     layer = InPlace()
     plan = StreamPlan.of(ngra.compile(layer, g, {"h": x}).ir)
-    from ngra.engine import _replayable
+    from ngra.engine.plan import _replayable
     assert [n.target for n in plan.edge if not _replayable(n)] == ["mul_"]
     assert_streamed_equal(layer, g, {"h": x}, {}, ngra.Engine(num_chunks=3), rtol=1e-12, atol=1e-12)
 
@@ -396,7 +396,7 @@ def test_in_place_edge_ops_recompute_whole_columns():
 def test_store_without_autograd_streams_chunk_by_chunk(tmp_path, reduce, monkeypatch):
     """Without autograd a store's columns are read one chunk at a time (partial reductions
     combined exactly), so that out-of-core inference holds one chunk's arrays, not a column's."""
-    from ngra.engine import _ChunkColumns
+    from ngra.engine.columns import _ChunkColumns
 
     g = random_graph(60, 400, seed=8)
     partition.ChunkStore.write(tmp_path / "s", partition.grid(

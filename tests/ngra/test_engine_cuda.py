@@ -26,9 +26,9 @@ def _no_probe_in_simulator(monkeypatch):
     """The engine measures a program's bytes per edge by running it on 1K- and 4K-edge graphs:
     minutes in the simulator, for estimates these tests do not check. On a GPU it runs."""
     if CUDA_SIM:
-        import ngra.engine
+        import ngra.engine.core
 
-        monkeypatch.setattr(ngra.engine, "_compute_bytes_per_edge", lambda *args: 64.0)
+        monkeypatch.setattr(ngra.engine.core, "_compute_bytes_per_edge", lambda *args: 64.0)
 
 
 def _on_device(vdata, edata):

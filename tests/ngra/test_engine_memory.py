@@ -12,7 +12,11 @@ import torch
 import kernels
 import ngra
 import partition
-from ngra import engine as engine_mod
+from ngra.engine import columns as ecolumns
+from ngra.engine import cost as ecost
+from ngra.engine import plan as eplan
+from ngra.engine import replay as ereplay
+from ngra.engine import run as erun
 from ngra.engine import TensorMemory
 from saga_reference import make_graph, random_graph
 from test_program import build, inputs
@@ -104,7 +108,7 @@ def test_estimate_scales_with_the_largest_column():
     engine = ngra.Engine(memory_budget="1GiB")
     per_edge = engine.estimate(prog, g, 1) / g.num_edges
     for p in (2, 3, 5):
-        bounds = engine_mod.balanced_bounds(g, p)
+        bounds = ecolumns.balanced_bounds(g, p)
         cum = np.concatenate([[0], np.cumsum(g.in_degrees().numpy())])
         largest = int(np.diff(cum[bounds]).max())
         assert engine.estimate(prog, g, p) == pytest.approx(per_edge * largest, rel=1e-6, abs=1)
@@ -120,13 +124,13 @@ def test_probe_falls_back_to_the_bound(monkeypatch):
     def refuse(*a, **k):
         raise RuntimeError("cannot make up inputs")
 
-    monkeypatch.setattr(engine_mod, "_probe_peak", refuse)
-    plan = engine_mod.StreamPlan.of(prog.ir)
-    edge_bytes = sum(engine_mod._row_bytes(n) for n in plan.edge
-                     if n.op not in engine_mod._REDUCTIONS and not engine_mod._is_view(n))
+    monkeypatch.setattr(ecost, "_probe_peak", refuse)
+    plan = eplan.StreamPlan.of(prog.ir)
+    edge_bytes = sum(ecost._row_bytes(n) for n in plan.edge
+                     if n.op not in eplan._REDUCTIONS and not ecost._is_view(n))
     assert edge_bytes > 0
     engine = ngra.Engine(num_chunks=1)
-    per_edge = max(2 * edge_bytes, engine_mod._INDEX_BYTES)  # no call yet: columns to prepare
+    per_edge = max(2 * edge_bytes, ecost._INDEX_BYTES)  # no call yet: columns to prepare
     assert engine.estimate(prog, g, 1) == per_edge * g.num_edges
 
 
@@ -139,7 +143,7 @@ def test_probe_leaves_the_layer_and_random_stream_alone():
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    engine_mod._probed.pop(prog, None)
+    ecost._probed.pop(prog, None)
     ngra.Engine(num_chunks=2).estimate(prog, g, 2)
     torch.testing.assert_close(torch.rand(3), expected)
     for k, v in layer.state_dict().items():
@@ -157,7 +161,7 @@ def test_column_index_bytes_stay_under_the_allowance(tmp_path):
     partition.ChunkStore.write(tmp_path / "s", partition.grid(src, dst, n, num_intervals=4))
     for mmap in (True, False):
         store = partition.ChunkStore.open(tmp_path / "s", mmap=mmap)
-        columns = engine_mod._ChunkColumns(store, torch.device("cpu"), cached=False)
+        columns = ecolumns._ChunkColumns(store, torch.device("cpu"), cached=False)
         columns.column(1)  # chunk checksums are verified on first use
         gc.collect()
         tracemalloc.start()
@@ -170,17 +174,17 @@ def test_column_index_bytes_stay_under_the_allowance(tmp_path):
             tracemalloc.stop()
         c = col.csr.num_edges
         assert c == int(store.counts[:, 1].sum()) > 0
-        assert tm.peak <= engine_mod._INDEX_BYTES * c
-        assert numpy_peak <= engine_mod._INDEX_BYTES * c
+        assert tm.peak <= ecost._INDEX_BYTES * c
+        assert numpy_peak <= ecost._INDEX_BYTES * c
     g = ngra.Graph(src, dst, n)
     g.in_csr()  # the graph's own CSR, which the in-memory executor builds too
     cum = np.concatenate([[0], np.cumsum(g.in_degrees().numpy())])
-    columns = engine_mod._GraphColumns(g, engine_mod.balanced_bounds(g, 4), cum)
+    columns = ecolumns._GraphColumns(g, ecolumns.balanced_bounds(g, 4), cum)
     gc.collect()
     with TensorMemory() as tm:
         col = columns.column(1)
         col.csr.transpose()
-    assert tm.peak <= engine_mod._INDEX_BYTES * col.csr.num_edges
+    assert tm.peak <= ecost._INDEX_BYTES * col.csr.num_edges
 
 
 def test_first_calls_count_preparing_the_columns():
@@ -205,7 +209,7 @@ def test_first_calls_count_preparing_the_columns():
     warm = engine.estimate(prog, g, 4)
     c_col = engine.last_run["column_edges"]
     # Preparing a column and computing on it never overlap: the larger of the two counts.
-    assert cold == pytest.approx(max(warm, engine_mod._INDEX_BYTES * c_col), abs=1)
+    assert cold == pytest.approx(max(warm, ecost._INDEX_BYTES * c_col), abs=1)
     assert cold > warm
     with engine:
         layer(g, vdata)
@@ -244,7 +248,7 @@ def test_nothing_of_a_call_outlives_its_backward(gname, reduce):
             out = layer(g, vdata)
         out.sum().backward()
         del out
-        kinds = {engine_mod._Run, engine_mod._Replay, engine_mod._Capture}
+        kinds = {erun._Run, ereplay._Replay, ereplay._Capture}
         alive = [o for o in gc.get_objects() if type(o) in kinds]
     finally:
         gc.enable()

@@ -1,0 +1,322 @@
+"""The :class:`Engine` (the ``with ngra.Engine(...):`` context): choosing the number of
+intervals (by ``num_chunks``, ``memory_budget`` through the cost model, or a store), keeping the
+columns of the graphs it saw, and running each vertex-program call through
+:class:`~ngra.engine.run._Run`."""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import warnings
+
+import numpy as np
+import torch
+
+import partition
+from partition.chunk_grid import interval_bounds, interval_of
+
+from ..graph import Graph
+from .columns import _ChunkColumns, _GraphColumns, _same_edges, balanced_bounds
+from .cost import _INDEX_BYTES, _compute_bytes_per_edge, _row_bytes
+from .plan import StreamPlan, _check_rowwise, _source_operands
+from .run import _Run
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("ngra_engine", default=None)
+# The most vertex intervals a memory budget may ask for: every column costs some Python work and
+# a few vertex-sized buffers per pass, so beyond this the run would be dominated by overhead.
+MAX_INTERVALS = 256
+
+
+def current_engine():
+    """The engine of the innermost active ``with ngra.Engine(...)`` block, or None."""
+    return _ACTIVE.get()
+
+
+class Engine:
+    """Stream every vertex-program call inside ``with Engine(...):`` over a chunked graph.
+
+    Exactly one way of choosing the partition:
+
+    - ``num_chunks=P``: P vertex intervals, so P destination columns (a P x P chunk grid);
+    - ``memory_budget`` (bytes, or a string such as ``"512MiB"``): the smallest P whose estimated
+      edge-level working set fits (see :meth:`estimate`; vertex-level data stays resident on top
+      of the budget, :meth:`vertex_bytes`, and so do freed kernel outputs the numba backend
+      keeps for reuse, up to ``kernels.output_cache_limit()``: ``kernels.set_output_cache_limit(0)``
+      turns that cache off); an error says when no P can fit;
+    - ``store``: a path to (or an open) ``partition.ChunkStore`` with the graph's chunks on disk.
+
+    ``ordering`` (``"identity"``, ``"rcm"``, ``"metis"``) reorders vertices for locality before
+    cutting (ignored with a store, which has its own). With the default (identity) order the
+    intervals hold equal numbers of in-edges (:func:`balanced_bounds`), not of vertices.
+    ``prefetch`` loads the next column of a store on a background thread. ``backend`` is
+    passed to the kernels.
+
+    After a run, ``engine.last_run`` holds figures of the last streamed call (P, columns, the
+    estimate of its edge-level working set and its resident vertex bytes).
+    """
+
+    def __init__(self, memory_budget=None, num_chunks=None, store=None, *, ordering=None,
+                 prefetch: bool = True, backend: str = "auto"):
+        given = [name for name, v in (("memory_budget", memory_budget), ("num_chunks", num_chunks),
+                                      ("store", store)) if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of memory_budget, num_chunks or store (got {', '.join(given)})")
+        if not given:
+            raise ValueError("ngra.Engine needs memory_budget=... (e.g. '512MiB'), num_chunks=P or "
+                             "store=PATH")
+        if num_chunks is not None:
+            if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+                raise ValueError(f"num_chunks must be an int >= 1, the number of vertex intervals P "
+                                 f"(got {num_chunks!r})")
+        self.budget = partition.parse_bytes(memory_budget) if memory_budget is not None else None
+        self.num_chunks = num_chunks
+        if store is not None and not isinstance(store, partition.ChunkStore):
+            store = partition.ChunkStore.open(store)
+        self.store = store
+        methods = partition.ordering.METHODS
+        if not (ordering is None or isinstance(ordering, partition.Ordering) or ordering in methods):
+            raise ValueError(f"ordering must be one of {', '.join(map(repr, methods))} or a "
+                             f"partition.Ordering (got {ordering!r})")
+        self.ordering = ordering
+        self.prefetch = bool(prefetch)
+        self.backend = backend
+        self.last_run: dict = {}
+        self._layouts: dict = {}  # (id of a graph, P) -> its columns
+        self._canon: dict = {}  # id of a graph -> (graph, the graph whose columns it shares)
+        self._orderings: dict = {}  # per graph: orderings, degrees, column sizes for each P
+        self._tokens: list = []
+        self._probing = False  # an engine inside the cost probe reports no estimate
+
+    def __repr__(self):
+        how = (f"num_chunks={self.num_chunks}" if self.num_chunks is not None else
+               f"memory_budget={partition.format_bytes(self.budget)}" if self.budget is not None
+               else f"store={self.store!r}")
+        return f"Engine({how})"
+
+    def __enter__(self):
+        self._tokens.append(_ACTIVE.set(self))
+        return self
+
+    def __exit__(self, *exc):
+        _ACTIVE.reset(self._tokens.pop())
+        return False
+
+    # -- the cost model ---------------------------------------------------------------------------
+    def estimate(self, program, g, num_intervals: int, column_edges: int | None = None) -> int:
+        """Estimated peak bytes of the *edge-level* working set of one streamed call, P intervals.
+
+        This is what streaming controls and what ``memory_budget`` bounds::
+
+            max(compute_bytes, index_bytes) * C_col     in-memory graph, columns to prepare
+            compute_bytes * C_col                       in-memory graph, columns prepared
+            (compute_bytes + 2 * index_bytes) * C_col   chunk store (with prefetch)
+
+        - ``C_col``: the most in-edges of one destination column (about E / P with the balanced
+          intervals of the default order; measured, since one vertex is never split);
+        - ``compute_bytes``: the peak bytes per edge of running the edge part forward and
+          backward on one column (its edge values, the ones autograd saves, their gradients,
+          the kernels' per-edge buffers; forward only where autograd is off). It is
+          *measured*, once per compiled program (and grad mode): the program runs forward and
+          backward on two small random graphs (16 vertices, 1024 and
+          4096 edges) while :class:`TensorMemory` records the peak bytes of live tensors; the
+          slope of peak over edges is the per-edge cost. If the probe cannot run (inputs it
+          cannot synthesize), the bound ``2 * edge_bytes`` is used instead: every edge-domain
+          value of the IR that owns memory (views are not counted) and its gradient alive at
+          once;
+        - ``index_bytes``: ``_INDEX_BYTES`` (96) per edge of preparing a column: its CSR,
+          original edge ids and the transposed CSR backward uses, with their sort buffers (or a
+          store column's arrays read and merged). An in-memory graph's columns are prepared by
+          the first call, one at a time before each computes, then cached (as the graph caches
+          its own CSR), so later calls make no index arrays; the cache itself, about 36 bytes
+          per edge of the graph, is part of the fixed overhead. A store's columns are read at
+          every pass, the next one on the prefetch thread while this one computes. (Without
+          autograd, and with no edge softmax, a store is streamed one chunk at a time, and
+          ``C_col`` is then the most edges of one chunk.)
+
+        Vertex-level memory (features, lifted projections, gathered results and their
+        gradients: :meth:`vertex_bytes`) stays resident whatever P is; it, the graph and its
+        cached columns, the model and the runtime are a fixed overhead on top of the budget.
+        """
+        if column_edges is None:
+            column_edges = int(self._column_edges(g, num_intervals).max(initial=0))
+            plan = StreamPlan.of(program.ir)
+            if self.store is not None and not torch.is_grad_enabled() \
+                    and not any(n.op == "edge_softmax" for n in plan.edge):
+                # A store streamed without autograd goes chunk by chunk (_column_by_chunks).
+                column_edges = int(np.asarray(self.store.counts).max(initial=0))
+        return int(math.ceil(self._bytes_per_edge(program, g, num_intervals) * column_edges))
+
+    def _bytes_per_edge(self, program, g, p: int) -> float:
+        compute = _compute_bytes_per_edge(program, g.device, self.backend)
+        if self.store is not None:  # read at every pass, the next column while this one computes
+            return compute + _INDEX_BYTES * (2 if self.prefetch else 1)
+        layout = self._layout(g, p, create=False)
+        if layout is None or not layout.prepared(backward=torch.is_grad_enabled()):
+            # An in-memory graph's columns are prepared one at a time, each before it computes
+            # and after the previous column's edge values are gone: the two never overlap.
+            return max(compute, _INDEX_BYTES)
+        return compute
+
+    def vertex_bytes(self, program, g) -> int:
+        """Bytes one streamed call keeps resident whatever P is (an upper bound): each vertex
+        value the edge part reads and up to three gradient buffers for it (the columns'
+        gradients are summed into it one after the other, and autograd adds out of place), each
+        gathered result three times (the columns' results, their concatenation and its
+        gradient), and for edge inputs three E-row gradient buffers the same way."""
+        plan = StreamPlan.of(program.ir)
+        needs = [n for n in plan.pre if id(n) in plan.needs]
+        per_vertex = 4 * sum(_row_bytes(n) for n in needs if n.domain == "vertex") + \
+            3 * sum(_row_bytes(r) for r in plan.reductions)
+        per_edge = 3 * sum(_row_bytes(n) for n in plan.edge if n.op == "input")
+        # A worker's piece also holds its source operands' halo rows and their gradients.
+        halo = getattr(g, "num_src", g.num_nodes) - g.num_nodes
+        sources = set(_source_operands(plan))
+        per_halo = 2 * sum(_row_bytes(n) for n in needs if id(n) in sources)
+        return int(per_vertex * g.num_nodes + per_halo * halo + per_edge * g.num_edges)
+
+    def _column_edges(self, g, p: int) -> np.ndarray:
+        """In-edges of each destination column [P] for the layout a call with P would use
+        (cached: a budget's search asks for several P at every call)."""
+        if self.store is not None:
+            return np.asarray(self.store.counts, dtype=np.int64).sum(0)
+        g = self._canonical(g)
+        key = (id(g), p, "column_edges")
+        if key in self._orderings:
+            return self._orderings[key]
+        if self.ordering in (None, "identity"):
+            cum = self._cum_degrees(g)
+            counts = np.diff(cum[balanced_bounds(g, p, cum)]).astype(np.int64)
+        else:
+            order = self._ordering(g, p)
+            bounds = interval_bounds(g.num_nodes, p, order)
+            new_dst = order.relabel_array(g.dst.cpu().numpy())
+            counts = np.bincount(interval_of(new_dst, bounds), minlength=p).astype(np.int64)
+        self._orderings[key] = counts
+        return counts
+
+    def _cum_degrees(self, g) -> np.ndarray:
+        """[N+1] int64: in-edges of the vertices before each vertex id (cached per graph)."""
+        key = (id(g), "cum_degrees")
+        if key not in self._orderings:
+            deg = g.in_degrees().cpu().numpy() if g.num_edges else np.zeros(g.num_nodes, np.int64)
+            self._orderings[key] = np.concatenate([[0], np.cumsum(deg)]).astype(np.int64)
+        return self._orderings[key]
+
+    def _num_intervals(self, program, g) -> int:
+        if self.store is not None:
+            return self.store.num_intervals
+        if self.num_chunks is not None:
+            return self.num_chunks
+        cap = max(1, min(g.num_nodes, MAX_INTERVALS))
+        fits = lambda p: self.estimate(program, g, p) <= self.budget  # noqa: E731
+        lo, p = 0, 1  # estimate(lo) is over budget (0: none tried yet)
+        while not fits(p):
+            if p >= cap:
+                raise ValueError(
+                    f"memory_budget {partition.format_bytes(self.budget)} cannot be met: with "
+                    f"{p} intervals (at most {MAX_INTERVALS} are used, since every column costs "
+                    f"Python overhead) the edge-level working set of this layer is still about "
+                    f"{partition.format_bytes(self.estimate(program, g, p))} (the destination "
+                    f"with the most in-edges has "
+                    f"{int(g.in_degrees().max()) if g.num_edges else 0}); raise the budget")
+            lo, p = p, min(2 * p, cap)
+        while p - lo > 1:  # the smallest fitting P between the last two doubling steps
+            mid = (lo + p) // 2
+            lo, p = (lo, mid) if fits(mid) else (mid, p)
+        return p
+
+    def _canonical(self, g):
+        """``g``, or the first graph this engine saw with the same edges: layers that derive the
+        same graph (each GAT layer adds self loops to its input) share one set of columns."""
+        hit = self._canon.get(id(g))
+        if hit is not None and hit[0] is g:
+            return hit[1]
+        canon = g
+        if type(g) is Graph:
+            for other, first in list(self._canon.values()):
+                if other is first and other is not g and type(other) is Graph \
+                        and _same_edges(other, g):
+                    canon = other
+                    break
+        # The engine holds the graphs it saw (an engine usually lives for one ``with`` block),
+        # so an id in its caches cannot be reused by another graph meanwhile.
+        self._canon[id(g)] = (g, canon)
+        return canon
+
+    def _ordering(self, g, p: int):
+        """The vertex ordering of a reordered layout of ``g`` with ``p`` intervals (cached)."""
+        if isinstance(self.ordering, partition.Ordering):
+            return self.ordering
+        key = (id(g), p if self.ordering == "metis" else 0)
+        if key not in self._orderings:
+            self._orderings[key] = partition.reorder(
+                g.src.cpu().numpy(), g.dst.cpu().numpy(), g.num_nodes, method=self.ordering,
+                num_parts=p if self.ordering == "metis" else None)
+        return self._orderings[key]
+
+    def _layout(self, g, p: int, *, create: bool = True):
+        """The columns of ``g`` cut into ``p`` intervals (cached per graph and P); with
+        ``create=False``, None where they were not made yet."""
+        if self.store is not None:
+            if (self.store.num_nodes, self.store.num_edges) != (g.num_nodes, g.num_edges):
+                raise ValueError(
+                    f"the chunk store holds a graph with {self.store.num_nodes} nodes and "
+                    f"{self.store.num_edges} edges, but the graph has {g.num_nodes} nodes and "
+                    f"{g.num_edges} edges")
+            key = ("store", p)
+            if key not in self._layouts and create:
+                self._layouts[key] = _ChunkColumns(self.store, g.device, cached=False)
+            return self._layouts.get(key)
+        g = self._canonical(g)
+        key = (id(g), p)
+        if key not in self._layouts and create:
+            if self.ordering in (None, "identity"):
+                cum = self._cum_degrees(g)
+                layout = _GraphColumns(g, balanced_bounds(g, p, cum), cum)
+            else:
+                grid = partition.grid(g.src.cpu().numpy(), g.dst.cpu().numpy(), g.num_nodes,
+                                      num_intervals=p, ordering=self._ordering(g, p))
+                layout = _ChunkColumns(grid, g.device, cached=True)
+            self._layouts[key] = layout
+        return self._layouts.get(key)
+
+    # -- running ----------------------------------------------------------------------------------
+    def run(self, program, g, vdata: dict, edata: dict):
+        """Stream ``program`` (an ``ngra.Program``) over ``g``; same result as ``program.run``."""
+        if program.eager:
+            warnings.warn(f"{type(program.layer).__name__} runs eagerly (it could not be compiled), "
+                          "so it cannot be streamed; running it in memory", stacklevel=3)
+            return program.run(g, vdata, edata, checked=True)
+        plan = StreamPlan.of(program.ir)
+        if getattr(g, "exchange_sources", None) is not None:
+            self._check_piece(program, g)
+        p = self._num_intervals(program, g)
+        if p > 1:
+            _check_rowwise(program, plan, p)
+        # Before the call: a first call's estimate includes preparing the columns.
+        estimate = None if self._probing else self.estimate(program, g, p)
+        layout = self._layout(g, p)
+        out = _Run(self, program, plan, g, layout, vdata, edata).execute()
+        c_col = int(layout.column_edges.max(initial=0))
+        self.last_run = {"num_intervals": p, "columns": int((layout.column_edges > 0).sum()),
+                         "column_edges": c_col, "ordering": layout.ordering_method}
+        if not self._probing:
+            self.last_run.update(estimate=estimate, vertex_bytes=self.vertex_bytes(program, g))
+        return out
+
+    def _check_piece(self, program, g) -> None:
+        """A worker's piece of a distributed graph streams its own destination columns in its
+        own vertex order; the halo rows of the source operands are exchanged once per call."""
+        if self.store is not None:
+            raise ValueError(
+                "Engine(store=...) streams a whole graph's chunk store, but the layer runs on a "
+                "worker's piece of a distributed graph (a DistGraph); give the engine "
+                "memory_budget=... or num_chunks=... (build the piece itself from the store with "
+                "DistGraph.from_store)")
+        if self.ordering not in (None, "identity"):
+            raise ValueError(
+                f"Engine(ordering={self.ordering!r}) cannot reorder a worker's piece of a "
+                "distributed graph (a DistGraph): leave ordering out (a good partition, such as "
+                "METIS, already gives each worker a compact piece)")
+        g.check_program(program)

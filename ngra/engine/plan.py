@@ -1,0 +1,140 @@
+"""The streaming plan: the IR of a vertex program cut into its pre / edge / post parts
+(:class:`StreamPlan`), and what those parts allow (which edge parts stream, replay or go chunk by
+chunk). See :mod:`ngra.engine` for how the parts run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..ir import IR, Node
+from ..passes import is_pure, mixing_reason
+
+
+_REDUCTIONS = ("gather", "gspmm")
+_EDGE_OPS = ("scatter", "gsddmm", "edge_softmax", *_REDUCTIONS)
+
+
+# -- splitting the IR --------------------------------------------------------------------------------
+@dataclass
+class StreamPlan:
+    """The IR cut into pre / edge / post parts (see :mod:`ngra.engine`).
+
+    ``needs``: ids of pre nodes the edge part reads; ``post_reads``: ids of pre nodes the post
+    part reads (both stay alive until their part has run; other pre values are dropped after
+    their last reader, as the in-memory executor does).
+    """
+
+    pre: list[Node]
+    edge: list[Node]
+    post: list[Node]
+    reductions: list[Node]
+    needs: set = field(default_factory=set)
+    post_reads: set = field(default_factory=set)
+
+    @classmethod
+    def of(cls, ir: IR) -> "StreamPlan":
+        edge_ids: set[int] = set()
+        post_ids: set[int] = set()
+        after_gather = False
+        for n in ir.nodes:
+            ins = n.inputs()
+            if n.op == "output":
+                continue
+            # A global value read from edge values (a reduction over dim 0) is computed in the
+            # edge part too; Engine.run refuses it when there is more than one column.
+            if n.op in _EDGE_OPS or n.domain == "edge" or (
+                    n.domain == "global" and any(id(a) in edge_ids and a.op not in _REDUCTIONS
+                                                 for a in ins)):
+                if n.op in _REDUCTIONS or any(id(a) in post_ids for a in ins):
+                    # Reductions' outputs are vertex values; a node reading them is post.
+                    (edge_ids if n.op in _REDUCTIONS else post_ids).add(id(n))
+                    after_gather = after_gather or n.op in _REDUCTIONS
+                else:
+                    edge_ids.add(id(n))
+            elif any(id(a) in post_ids or (id(a) in edge_ids and a.op in _REDUCTIONS) for a in ins):
+                post_ids.add(id(n))
+                after_gather = True
+            elif after_gather and not is_pure(n):
+                # A random vertex op written after the Gather (dropout in ApplyVertex) draws after
+                # the edge part in memory: so it does here, or the two would draw other numbers.
+                post_ids.add(id(n))
+        pre = [n for n in ir.nodes if id(n) not in edge_ids and id(n) not in post_ids
+               and n.op != "output"]
+        edge = [n for n in ir.nodes if id(n) in edge_ids]
+        post = [n for n in ir.nodes if id(n) in post_ids]
+        pre_ids = {id(n) for n in pre}
+        for n in edge:
+            for a in n.inputs():
+                if id(a) not in pre_ids and id(a) not in edge_ids:
+                    raise ValueError(f"cannot stream: %{n.name} reads %{a.name}, which depends on "
+                                     f"a Gather\nIR:\n{ir}")
+        needs = {id(a) for n in edge for a in n.inputs() if id(a) in pre_ids}
+        post_reads = {id(a) for n in [*post, ir.output] for a in n.inputs() if id(a) in pre_ids}
+        return cls(pre, edge, post, [n for n in edge if n.op in _REDUCTIONS], needs, post_reads)
+
+
+def _drop_schedule(nodes: list[Node], keep: set) -> dict[int, list[int]]:
+    """``k -> ids`` of values no node after ``nodes[k]`` reads (and not in ``keep``)."""
+    last: dict[int, int] = {}
+    for k, n in enumerate(nodes):
+        for a in n.inputs():
+            last[id(a)] = k
+    out: dict[int, list[int]] = {}
+    for ident, k in last.items():
+        if ident not in keep:
+            out.setdefault(k, []).append(ident)
+    return out
+
+
+def _source_operands(plan: StreamPlan) -> list[int]:
+    """Ids of the vertex values the edge part reads on the source side (``u`` of a g-SDDMM or
+    g-SpMM, a scatter to ``src``), in plan order."""
+    out: list[int] = []
+    for n in plan.edge:
+        if n.op in ("gsddmm", "gspmm") or (n.op == "scatter" and n.target == "src"):
+            u = n.args[0]
+            if isinstance(u, Node) and id(u) not in out:
+                out.append(id(u))
+    return out
+
+
+def _check_rowwise(program, plan: StreamPlan, p: int) -> None:
+    """Refuse an edge part that mixes rows across edges: the engine runs it on one column of
+    edges at a time, where such an op (batch norm in training, softmax / norm / cumsum / flip over
+    dim 0, a dim-0 mean, ...) would see only that column's rows and silently compute something
+    else than in memory. (The edge softmax and the Gather are per destination, complete within a
+    column.)"""
+    for n in plan.edge:
+        reason = mixing_reason(n, "edge")
+        if reason is None:
+            continue
+        where = f" at {n.source}" if n.source else ""
+        raise ValueError(
+            f"ngra.Engine cannot stream {type(program.layer).__name__}: %{n.name} = "
+            f"{n.format().split(' = ', 1)[1]}{where} mixes rows across edges ({reason}). The "
+            f"engine runs the edge part on one column of edges at a time (P = {p}), where this "
+            "op would see only that column's edges and give another result than in memory. "
+            "Compute it in apply_vertex on vertex values (every vertex is present at once there), "
+            "make it act per edge (a non-zero dim), or call the layer outside the Engine block "
+            f"(in memory, where it is correct).\nIR:\n{program.ir}")
+
+
+def _reducer(n: Node) -> str:
+    return n.target if n.op == "gather" else n.target[1]
+
+
+def _replayable(n: Node) -> bool:
+    """Whether node ``n`` can be re-run on its own to rebuild a value autograd saved: anything
+    but in-place ops (and modules that may be in place), which would change saved values."""
+    if n.op in ("call_function", "call_method"):
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        return not (name.endswith("_") or "out" in n.kwargs or n.kwargs.get("inplace"))
+    if n.op == "call_module":
+        m = n.value
+        pure = isinstance(m, (torch.nn.Linear, torch.nn.Identity, torch.nn.modules.dropout._DropoutNd,
+                              torch.nn.ReLU, torch.nn.LeakyReLU, torch.nn.ELU, torch.nn.GELU,
+                              torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.Softplus, torch.nn.SiLU))
+        return pure and not getattr(m, "inplace", False)
+    return True

@@ -1,0 +1,241 @@
+"""One streamed call (:class:`_Run`): the second interpreter of the IR, which evaluates the pre
+part on all vertices, the edge part one destination column at a time (through
+:class:`~ngra.engine.replay._Replay` when autograd follows) and the post part on all vertices."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+from .. import profile
+from ..executor import EdgeRandom, GraphOps, eval_node
+from ..ir import Node, map_nodes
+from .columns import _ChunkColumns, _Column, _Loader
+from .plan import StreamPlan, _drop_schedule, _reducer, _replayable, _source_operands
+from .replay import _Replay
+
+
+class _Run:
+    """One streamed call: evaluates the plan column by column."""
+
+    def __init__(self, engine, program, plan, g, layout, vdata, edata):
+        self.engine, self.program, self.plan = engine, program, plan
+        self.layer = program.layer
+        self.g, self.layout = g, layout
+        self.vdata, self.edata = vdata, edata
+        self.device = g.device
+        self.identity = layout.identity
+        if not self.identity:
+            self.perm = torch.from_numpy(layout.perm).to(self.device)
+            self.inv = torch.from_numpy(layout.inv).to(self.device)
+        self.loader = None  # made in execute(), which knows whether backward will follow
+        self.backward = False  # set once forward is done: later column runs are recomputes
+        self.src_vert: dict = {}  # a DistGraph's source operands with their halo rows
+
+    def execute(self):
+        plan = self.plan
+        # Edge dropout's seeds, drawn first as in memory (executor.run_ir): every column, and
+        # backward's rebuild of it, masks each edge as the whole graph in memory does.
+        self.rng = EdgeRandom.draw(self.program.ir, self.layer)
+        env: dict[int, Any] = {}
+        out_node = self.program.ir.output.args[0]
+        keep = plan.needs | plan.post_reads | {id(out_node)}
+        drops = _drop_schedule(plan.pre, keep)
+        for k, n in enumerate(plan.pre):
+            env[id(n)] = self._eval_full(n, env)
+            for dead in drops.get(k, ()):
+                env.pop(dead, None)
+        # Vertex operands of the edge part, in the partition's vertex order.
+        vert = {i: self._to_new(env[i]) if n.domain == "vertex" else env[i]
+                for n in plan.pre if (i := id(n)) in plan.needs}
+        for i in plan.needs - plan.post_reads - {id(out_node)}:
+            env.pop(i, None)  # the edge part reads ``vert``; autograd keeps what it needs
+        # A worker's piece of a distributed graph: every source operand gets its halo rows once
+        # (the same values, in the same order, on every worker), read by every column.
+        exchange = getattr(self.g, "exchange_sources", None)
+        self.src_vert = {} if exchange is None else exchange(
+            {i: vert[i] for i in _source_operands(plan) if i in vert})
+        p = self.layout.num_intervals
+        tensors = [v for v in vert.values() if isinstance(v, torch.Tensor)]
+        recompute = torch.is_grad_enabled() and (
+            any(t.requires_grad for t in tensors)
+            or any(t.requires_grad for t in self.edata.values())
+            or any(q.requires_grad for q in self.layer.parameters()))
+        replay = recompute and all(_replayable(n) for n in plan.edge)
+        by_chunks = not recompute and _chunkable(self.layout, plan)
+        self.loader = _Loader(self.layout, self.engine.prefetch, transpose=recompute)
+        columns_out = []
+        for j in range(p):
+            if by_chunks and int((self.layout.source.counts[:, j] > 0).sum()) > 1:
+                outs = self._column_by_chunks(j, vert)
+            elif replay:
+                outs = _Replay(self, j, vert).forward()
+            elif recompute:  # in-place ops in the edge part: recompute whole columns in order
+                fn = lambda *_, j=j, vert=vert: self._column(j, vert)  # noqa: E731
+                outs = torch.utils.checkpoint.checkpoint(fn, *tensors, use_reentrant=False)
+            else:
+                outs = self._column(j, vert)
+            columns_out.append(outs)
+        self.backward = True
+        del vert, tensors
+        per_reduction = list(zip(*columns_out))
+        del columns_out
+        for k, r in enumerate(plan.reductions):
+            env[id(r)] = self._to_old(torch.cat(per_reduction[k], 0))
+            per_reduction[k] = None  # the columns' results go as soon as they are joined
+        drops = _drop_schedule(plan.post, {id(out_node)})
+        for k, n in enumerate(plan.post):
+            env[id(n)] = self._eval_full(n, env)
+            for dead in drops.get(k, ()):
+                env.pop(dead, None)
+        return env[id(out_node)]
+
+    def _eval_full(self, n: Node, env):
+        """A pre or post node, on all vertices (they never touch the graph)."""
+        load = lambda a: env[id(a)]  # noqa: E731
+        args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
+        return self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, None, self.vdata,
+                                               self.edata))
+
+    def _eval(self, n: Node, fn):
+        prof = profile.current()
+        if prof is None or n.stage is None:
+            return fn()
+        return profile.timed(prof, self.layer, n, fn)
+
+    def _to_new(self, x):
+        return x if self.identity else x.index_select(0, self.perm)
+
+    def _to_old(self, x):
+        return x if self.identity else x.index_select(0, self.inv)
+
+    # -- one destination column -------------------------------------------------------------------
+    def _column(self, j: int, vert: dict):
+        """The edge part on column ``j``: the reductions' rows of interval ``j``."""
+        # Forward walks the columns up, backward's recomputes walk them down: prefetch accordingly.
+        col = self.loader.get(j, j - 1 if self.backward else j + 1)
+        env = self._edge_part(col, vert)
+        return tuple(env[id(r)] for r in self.plan.reductions)
+
+    def _column_by_chunks(self, j: int, vert: dict):
+        """Column ``j`` of a store, without autograd, one chunk ``(i, j)`` at a time (the next
+        read on the prefetch thread): each reduction's partial results are combined exactly
+        (sums added, means divided by the full in-degree at the end, maxima and minima compared
+        where a chunk has in-edges, destinations without any get 0), so only a chunk's index
+        arrays are resident, not a column's."""
+        plan, layout = self.plan, self.layout
+        rows = [i for i in range(layout.num_intervals) if layout.source.counts[i, j]]
+        accs: dict[int, torch.Tensor] = {}
+        seen = deg = None  # destinations with an in-edge so far; in-degrees (for means)
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if self.engine.prefetch \
+            else None
+        try:
+            nxt = pool.submit(layout.chunk, rows[0], j) if pool else None
+            for k, i in enumerate(rows):
+                ch = nxt.result() if pool else layout.chunk(i, j)
+                if pool and k + 1 < len(rows):
+                    nxt = pool.submit(layout.chunk, rows[k + 1], j)
+                env = self._edge_part(ch, vert, partial=True)
+                counts = ch.csr.in_degrees()
+                has_in = counts > 0
+                seen = has_in if seen is None else seen | has_in
+                deg = counts if deg is None else deg + counts
+                for r in plan.reductions:
+                    part, acc = env[id(r)], accs.get(id(r))
+                    if _reducer(r) in ("max", "min"):
+                        fill = float("-inf") if _reducer(r) == "max" else float("inf")
+                        part = torch.where(_rows_mask(has_in, part), part,
+                                           torch.full_like(part, fill))
+                        if acc is not None:
+                            part = torch.maximum(acc, part) if _reducer(r) == "max" \
+                                else torch.minimum(acc, part)
+                    elif acc is not None:
+                        part = acc + part
+                    accs[id(r)] = part
+                del env, ch
+        finally:
+            if pool:
+                pool.shutdown(wait=True)
+        outs = []
+        for r in plan.reductions:
+            acc = accs[id(r)]
+            if _reducer(r) in ("max", "min"):
+                acc = torch.where(_rows_mask(seen, acc), acc, torch.zeros_like(acc))
+            elif _reducer(r) == "mean":
+                acc = acc / deg.clamp(min=1).to(acc.dtype).reshape(-1, *([1] * (acc.dim() - 1)))
+            outs.append(acc)
+        return tuple(outs)
+
+    def _edge_part(self, col: _Column, vert: dict, *, upto: int | None = None, watch=None,
+                   keep=(), partial: bool = False) -> dict:
+        """Evaluate the edge nodes ``0..upto`` (all by default) on column ``col``; returns their
+        values by node id (values no later node reads are dropped, unless ``keep`` holds their
+        index). ``watch``, if given, is told ``watch.node = k`` before node k runs and
+        ``watch.done(k, value)`` after. ``partial``: ``col`` is one chunk of a column, and a mean
+        is reduced as a sum (divided by the in-degree once the column is done)."""
+        ops = GraphOps(col.csr, self.engine.backend)
+        rng = self.rng.at(col.eids)
+        plan = self.plan
+        nodes = plan.edge if upto is None else plan.edge[:upto + 1]
+        env: dict[int, Any] = {}
+
+        def load(n):
+            return env[id(n)] if id(n) in env else vert[id(n)]
+
+        def rows(n, side):  # a vertex operand for the source or the destination side
+            if side == "src":
+                x = self.src_vert.get(id(n))
+                x = load(n) if x is None else x
+                return x if col.src is None else x[col.src]
+            return load(n)[col.dst]
+
+        keep_ids = {id(r) for r in plan.reductions} | {id(nodes[k]) for k in keep}
+        drops = _drop_schedule(nodes, keep_ids)
+        for k, n in enumerate(nodes):
+            if watch is not None:
+                watch.node = k
+            if n.op == "input":
+                value = self.edata[n.target[1]].index_select(0, col.eids)
+            elif n.op == "scatter":
+                x = rows(n.args[0], n.target)
+                value = self._eval(n, lambda: ops.scatter(x, n.target))
+            elif n.op == "gsddmm":
+                u, v, e = n.args
+                uve = (None if u is None else rows(u, "src"),
+                       None if v is None else rows(v, "dst"), None if e is None else load(e))
+                value = self._eval(n, lambda: ops.gsddmm(n.target, *uve))
+            elif n.op == "gspmm":
+                u, e = n.args
+                ue = (None if u is None else rows(u, "src"), None if e is None else load(e))
+                op, reduce = n.target
+                reduce = "sum" if partial and reduce == "mean" else reduce
+                value = self._eval(n, lambda: ops.gspmm(op, reduce, *ue))
+            elif n.op == "gather" and partial:
+                m = load(n.args[0])
+                value = self._eval(n, lambda: ops.gather(m, "sum" if n.target == "mean"
+                                                         else n.target))
+            else:
+                args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
+                value = self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, ops,
+                                                        self.vdata, self.edata, rng))
+            env[id(n)] = value
+            if watch is not None:
+                watch.done(k, value)
+            for dead in drops.get(k, ()):
+                env.pop(dead, None)
+        return env
+
+
+def _rows_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-row mask [R] shaped to broadcast over ``like`` [R, ...]."""
+    return mask.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def _chunkable(layout, plan: StreamPlan) -> bool:
+    """Whether a call without autograd can stream a store's columns chunk by chunk: every
+    reduction combines across chunks, which an edge softmax's normalizer does not."""
+    return isinstance(layout, _ChunkColumns) and not layout.cached \
+        and not any(n.op == "edge_softmax" for n in plan.edge)
