@@ -18,7 +18,7 @@ from kernels import _dropout as _dropout_kernel
 
 from . import profile
 from .batch import EdgeBatch, VertexBatch, check_message, check_scatter
-from .ir import IR, Node, map_nodes
+from .ir import GRAPH_OPS, IR, Node, map_nodes
 
 __all__ = ["GraphOps", "run_ir", "run_eager", "propagate_shapes", "EdgeRandom", "edge_dropout",
            "draw_seeds"]
@@ -148,15 +148,17 @@ def edge_dropout(x: torch.Tensor, p: float, seed: int, edge_ids: torch.Tensor | 
     if p == 1:
         return x.mul_(0) if inplace else x * 0
     row = math.prod(x.shape[1:])
-    ids = torch.arange(x.shape[0], device=x.device) if edge_ids is None else \
-        edge_ids.to(device=x.device, dtype=torch.int64)
+    ids = None if edge_ids is None else edge_ids.to(device=x.device, dtype=torch.int64)
     state = _to_int64(int(_splitmix64(torch.tensor(seed, dtype=torch.int64)).item()))
     threshold = int(round((1.0 - p) * (1 << 24)))
     if not inplace and _dropout_kernel.supported(x):
         # The same mask, per element in parallel: the torch form below makes int64 temporaries
         # of x's size (0.5 GiB each for GAT's 16M x 4 attention) and took most of GAT's epoch.
+        # Rows 0..R-1 go in as None: no [R] int64 id array made and saved for backward.
         scale = torch.ones((), dtype=x.dtype).div_(1.0 - p).item()  # the kept value, as below
         return _dropout_kernel.edge_dropout(x, ids, state & ((1 << 64) - 1), threshold, scale)
+    if ids is None:
+        ids = torch.arange(x.shape[0], device=x.device)
     key = ids.reshape(-1, 1) * row + torch.arange(row, device=x.device)
     bits = _srl(_splitmix64(key * _GOLDEN + state), 40)  # the top 24 bits, uniform
     keep = bits < threshold
@@ -238,16 +240,9 @@ def eval_node(n: Node, args: tuple, kwargs: dict, layer, ops: GraphOps, vdata: d
         return n.target(*args, **kwargs)
     if op == "call_method":
         return getattr(args[0], n.target)(*args[1:], **kwargs)
-    if op == "scatter":
-        return ops.scatter(args[0], n.target)
-    if op == "gather":
-        return ops.gather(args[0], n.target)
-    if op == "edge_softmax":
-        return ops.edge_softmax(args[0])
-    if op == "gsddmm":
-        return ops.gsddmm(n.target, *args)
-    if op == "gspmm":
-        return ops.gspmm(n.target[0], n.target[1], *args)
+    spec = GRAPH_OPS.get(op)
+    if spec is not None:
+        return spec.run(ops, n, args)
     raise ValueError(f"cannot execute op {op!r}")  # pragma: no cover - lint rejects unknown ops
 
 

@@ -34,6 +34,11 @@ Node ops:
 ``output``         args ``(value,)``: the layer's result
 =================  ==================================================================================
 
+What each graph op (``scatter`` ... ``gspmm``) means is one :class:`GraphOp` entry of
+:data:`GRAPH_OPS` (result domain, where each operand's rows are read, how it runs and prints,
+whether it combines across chunks), which the linter, the printer, the executor, the streaming
+engine and a worker's halo exchange all read.
+
 Each compute node also records the SAGA ``stage`` its work belongs to (for profiling), and
 ``source``, where the user's code made it (``"layer.py:12 in apply_edge: return self.bn(m)"``)
 when the tracer could tell.
@@ -49,13 +54,74 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["Node", "IR", "IRError", "map_nodes", "node_inputs"]
+__all__ = ["Node", "IR", "IRError", "map_nodes", "node_inputs", "GraphOp", "GRAPH_OPS"]
 
 DOMAINS = ("vertex", "edge", "param", "global")
-OPS = (
-    "input", "get_attr", "const", "call_module", "call_function", "call_method",
-    "scatter", "gather", "edge_softmax", "gsddmm", "gspmm", "output",
-)
+
+
+class GraphOp:
+    """What one graph op of the IR means; every stage reads it from :data:`GRAPH_OPS` (the
+    linter, the printer, the in-memory executor, the streaming engine, a worker's halo
+    exchange), so a new graph op is one entry here plus its kernel in
+    :class:`ngra.executor.GraphOps`.
+
+    - ``domain``: the domain of its result (``"edge"``: one row per edge; ``"vertex"``: one
+      row per destination, a reduction over each destination's in-edges, i.e. a Gather);
+    - ``sides(node)``: for each positional operand, where its rows are read: ``"src"`` (a
+      vertex value indexed by the edges' sources), ``"dst"`` (by their destinations) or
+      ``"edge"`` (an edge value); an operand may be None (absent);
+    - ``run(ops, node, args)``: evaluate it with a :class:`~ngra.executor.GraphOps`;
+    - ``label(node)``: its printed name, e.g. ``gspmm[u_mul_e, sum]``;
+    - ``chunkable``: its result on a column's edges is exact from the results on the column's
+      chunks (sums added, maxima compared, ...), which the engine uses to stream a store chunk
+      by chunk; not an edge softmax, whose normalizer spans all of a destination's in-edges.
+    A reduction's reducer is ``reducer(node)`` (``"sum"``, ``"mean"``, ``"max"``, ``"min"``).
+    """
+
+    __slots__ = ("name", "domain", "sides", "run", "label", "chunkable")
+
+    def __init__(self, name: str, domain: str, sides: Callable, run: Callable,
+                 label: Callable | None = None, *, chunkable: bool = True):
+        self.name, self.domain, self.sides, self.run = name, domain, sides, run
+        self.label = label or (lambda n: f"{name}[{n.target}]")
+        self.chunkable = chunkable
+
+    @property
+    def reduction(self) -> bool:
+        """Whether it is a Gather (one row per destination over its in-edges)."""
+        return self.domain == "vertex"
+
+    def reducer(self, n: "Node") -> str:
+        """The reducer of reduction node ``n``."""
+        return n.target[1] if isinstance(n.target, tuple) else n.target
+
+    def with_reducer(self, n: "Node", reduce: str) -> "Node":
+        """A copy of reduction node ``n`` reducing with ``reduce``."""
+        target = (n.target[0], reduce) if isinstance(n.target, tuple) else reduce
+        return Node(n.name, n.op, target, n.args, n.kwargs, n.domain)
+
+
+GRAPH_OPS: dict[str, GraphOp] = {g.name: g for g in (
+    # x [N, ...] -> [E, ...]: each edge's source (target "src") or destination ("dst") row
+    GraphOp("scatter", "edge", lambda n: (n.target,),
+            lambda ops, n, a: ops.scatter(a[0], n.target)),
+    # m [E, ...] -> [N, ...]: each destination's in-edges reduced with n.target
+    GraphOp("gather", "vertex", lambda n: ("edge",),
+            lambda ops, n, a: ops.gather(a[0], n.target)),
+    # s [E, ...] -> [E, ...]: softmax over each destination's in-edges
+    GraphOp("edge_softmax", "edge", lambda n: ("edge",),
+            lambda ops, n, a: ops.edge_softmax(a[0]), lambda n: "edge_softmax", chunkable=False),
+    # (u, v, e) -> [E, ...]: the message n.target (u_mul_v, copy_e, ...), fused
+    GraphOp("gsddmm", "edge", lambda n: ("src", "dst", "edge"),
+            lambda ops, n, a: ops.gsddmm(n.target, *a)),
+    # (u, e) -> [N, ...]: the message n.target[0] reduced with n.target[1], fused
+    GraphOp("gspmm", "vertex", lambda n: ("src", "edge"),
+            lambda ops, n, a: ops.gspmm(n.target[0], n.target[1], *a),
+            lambda n: f"gspmm[{n.target[0]}, {n.target[1]}]"),
+)}
+
+OPS = ("input", "get_attr", "const", "call_module", "call_function", "call_method",
+       *GRAPH_OPS, "output")
 
 
 class IRError(ValueError):
@@ -229,20 +295,13 @@ def _check_domain(n: Node) -> list[str]:
     ins = n.inputs()
     doms = {a.domain for a in ins}
     want = None
-    if n.op == "scatter":
-        if len(ins) != 1 or ins[0].domain != "vertex":
-            return [f"%{n.name}: scatter needs one vertex value (got {sorted(doms)})"]
-        want = "edge"
-    elif n.op == "gather":
-        if len(ins) != 1 or ins[0].domain != "edge":
-            return [f"%{n.name}: gather needs one edge value (got {sorted(doms)})"]
-        want = "vertex"
-    elif n.op == "edge_softmax":
-        want = "edge"
-    elif n.op in ("gspmm",):
-        want = "vertex"
-    elif n.op in ("gsddmm",):
-        want = "edge"
+    spec = GRAPH_OPS.get(n.op)
+    if spec is not None:
+        if n.op in ("scatter", "gather"):  # exactly one operand, of the domain its side reads
+            need = "edge" if spec.sides(n)[0] == "edge" else "vertex"
+            if len(ins) != 1 or ins[0].domain != need:
+                return [f"%{n.name}: {n.op} needs one {need} value (got {sorted(doms)})"]
+        want = spec.domain
     elif n.op.startswith("call_"):
         if {"vertex", "edge"} <= doms:
             return [f"%{n.name}: mixes vertex values and edge values "
@@ -337,14 +396,12 @@ def _format_call(n: Node) -> str:
         rest = ", ".join([_format_arg(a) for a in n.args[1:]] +
                          [f"{k}={_format_arg(v)}" for k, v in n.kwargs.items()])
         return f"{_format_arg(n.args[0])}.{n.target}({rest})"
-    if n.op == "gspmm":
-        op, reduce = n.target
-        return f"gspmm[{op}, {reduce}]({', '.join(_format_arg(a) for a in n.args if a is not None)})"
     if n.op == "gsddmm":  # operands in the op's own order: e_add_v(%e, %v)
         parts = n.target.split("_")
         sides = [parts[1]] if parts[0] == "copy" else [parts[0], parts[2]]
         by_side = dict(zip("uve", n.args))
         return f"gsddmm[{n.target}]({', '.join(_format_arg(by_side[s]) for s in sides)})"
-    if n.op in ("scatter", "gather"):
-        return f"{n.op}[{n.target}]({', '.join(_format_arg(a) for a in n.args if a is not None)})"
+    if n.op in GRAPH_OPS:
+        operands = ", ".join(_format_arg(a) for a in n.args if a is not None)
+        return f"{GRAPH_OPS[n.op].label(n)}({operands})"
     return f"{n.op}({args})"

@@ -18,7 +18,7 @@ from partition.chunk_grid import interval_bounds, interval_of
 from ..graph import Graph
 from .columns import _ChunkColumns, _GraphColumns, _same_edges, balanced_bounds
 from .cost import _INDEX_BYTES, _compute_bytes_per_edge, _row_bytes
-from .plan import StreamPlan, _check_rowwise, _source_operands
+from .plan import StreamPlan, _check_rowwise, _chunkable_ops, _source_operands
 from .run import _Run
 
 
@@ -142,7 +142,7 @@ class Engine:
             column_edges = int(self._column_edges(g, num_intervals).max(initial=0))
             plan = StreamPlan.of(program.ir)
             if self.store is not None and not torch.is_grad_enabled() \
-                    and not any(n.op == "edge_softmax" for n in plan.edge):
+                    and _chunkable_ops(plan):
                 # A store streamed without autograd goes chunk by chunk (_column_by_chunks).
                 column_edges = int(np.asarray(self.store.counts).max(initial=0))
         return int(math.ceil(self._bytes_per_edge(program, g, num_intervals) * column_edges))

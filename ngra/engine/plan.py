@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ir import IR, Node
+from ..ir import GRAPH_OPS, IR, Node
 from ..passes import is_pure, mixing_reason
 
 
-_REDUCTIONS = ("gather", "gspmm")
-_EDGE_OPS = ("scatter", "gsddmm", "edge_softmax", *_REDUCTIONS)
+_EDGE_OPS = tuple(GRAPH_OPS)  # every graph op runs in the edge part
+_REDUCTIONS = tuple(name for name, op in GRAPH_OPS.items() if op.reduction)  # the Gathers
 
 
 # -- splitting the IR --------------------------------------------------------------------------------
@@ -93,10 +93,10 @@ def _source_operands(plan: StreamPlan) -> list[int]:
     g-SpMM, a scatter to ``src``), in plan order."""
     out: list[int] = []
     for n in plan.edge:
-        if n.op in ("gsddmm", "gspmm") or (n.op == "scatter" and n.target == "src"):
-            u = n.args[0]
-            if isinstance(u, Node) and id(u) not in out:
-                out.append(id(u))
+        if n.op in GRAPH_OPS:
+            for side, a in zip(GRAPH_OPS[n.op].sides(n), n.args):
+                if side == "src" and isinstance(a, Node) and id(a) not in out:
+                    out.append(id(a))
     return out
 
 
@@ -122,7 +122,12 @@ def _check_rowwise(program, plan: StreamPlan, p: int) -> None:
 
 
 def _reducer(n: Node) -> str:
-    return n.target if n.op == "gather" else n.target[1]
+    return GRAPH_OPS[n.op].reducer(n)
+
+
+def _chunkable_ops(plan: StreamPlan) -> bool:
+    """Whether every graph op of the edge part combines exactly across a column's chunks."""
+    return all(GRAPH_OPS[n.op].chunkable for n in plan.edge if n.op in GRAPH_OPS)
 
 
 def _replayable(n: Node) -> bool:

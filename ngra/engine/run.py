@@ -12,9 +12,10 @@ import torch.utils.checkpoint
 
 from .. import profile
 from ..executor import EdgeRandom, GraphOps, eval_node
-from ..ir import Node, map_nodes
+from ..ir import GRAPH_OPS, Node, map_nodes
 from .columns import _ChunkColumns, _Column, _Loader
-from .plan import StreamPlan, _drop_schedule, _reducer, _replayable, _source_operands
+from .plan import (StreamPlan, _chunkable_ops, _drop_schedule, _reducer, _replayable,
+                   _source_operands)
 from .replay import _Replay
 
 
@@ -197,26 +198,15 @@ class _Run:
         for k, n in enumerate(nodes):
             if watch is not None:
                 watch.node = k
+            spec = GRAPH_OPS.get(n.op)
             if n.op == "input":
                 value = self.edata[n.target[1]].index_select(0, col.eids)
-            elif n.op == "scatter":
-                x = rows(n.args[0], n.target)
-                value = self._eval(n, lambda: ops.scatter(x, n.target))
-            elif n.op == "gsddmm":
-                u, v, e = n.args
-                uve = (None if u is None else rows(u, "src"),
-                       None if v is None else rows(v, "dst"), None if e is None else load(e))
-                value = self._eval(n, lambda: ops.gsddmm(n.target, *uve))
-            elif n.op == "gspmm":
-                u, e = n.args
-                ue = (None if u is None else rows(u, "src"), None if e is None else load(e))
-                op, reduce = n.target
-                reduce = "sum" if partial and reduce == "mean" else reduce
-                value = self._eval(n, lambda: ops.gspmm(op, reduce, *ue))
-            elif n.op == "gather" and partial:
-                m = load(n.args[0])
-                value = self._eval(n, lambda: ops.gather(m, "sum" if n.target == "mean"
-                                                         else n.target))
+            elif spec is not None:  # vertex operands: the rows of their side of the column
+                args = tuple(None if a is None else load(a) if side == "edge" else rows(a, side)
+                             for a, side in zip(n.args, spec.sides(n)))
+                node = spec.with_reducer(n, "sum") if partial and spec.reduction \
+                    and spec.reducer(n) == "mean" else n  # a chunk's part of a mean: its sum
+                value = self._eval(n, lambda: spec.run(ops, node, args))
             else:
                 args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
                 value = self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, ops,
@@ -238,4 +228,4 @@ def _chunkable(layout, plan: StreamPlan) -> bool:
     """Whether a call without autograd can stream a store's columns chunk by chunk: every
     reduction combines across chunks, which an edge softmax's normalizer does not."""
     return isinstance(layout, _ChunkColumns) and not layout.cached \
-        and not any(n.op == "edge_softmax" for n in plan.edge)
+        and _chunkable_ops(plan)

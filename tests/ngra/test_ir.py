@@ -252,3 +252,36 @@ def test_compiling_does_not_consume_the_users_random_stream():
     torch.manual_seed(0)
     ngra.compile(Drop(), g, x)
     torch.testing.assert_close(torch.rand(4), expected)
+
+
+def test_a_graph_op_is_one_table_entry(monkeypatch):
+    """A new graph op registered in GRAPH_OPS alone is linted, printed, run in memory, and
+    placed in the streaming engine's edge part with its operand read at the sources (what the
+    engine's columns and a worker's halo exchange go by)."""
+    from ngra import ir as ir_mod
+    from ngra.executor import GraphOps, run_ir
+
+    def run(ops, n, args):  # twice each edge's source row, by way of the scatter kernel
+        return 2 * ops.scatter(args[0], "src")
+
+    monkeypatch.setitem(ir_mod.GRAPH_OPS, "double_src",
+                        ir_mod.GraphOp("double_src", "edge", lambda n: ("src",), run,
+                                       lambda n: "double_src"))
+    monkeypatch.setattr(ir_mod, "OPS", (*ir_mod.OPS, "double_src"))
+    g = random_graph(12, 40, seed=3)
+    x = torch.randn(12, 3, dtype=torch.float64)
+    ir = IR()
+    h = ir.append(Node("h", "input", ("vertex", "h"), (), {}, "vertex"))
+    m = ir.append(Node("m", "double_src", None, (h,), {}, "edge"))
+    acc = ir.append(Node("acc", "gather", "sum", (m,), {}, "vertex"))
+    ir.append(Node("out", "output", None, (acc,), {}, "vertex"))
+    ir.lint()
+    assert "%m: edge = double_src(%h)" in str(ir)
+    want = torch.zeros(12, 3, dtype=torch.float64).index_add_(0, g.dst, 2 * x[g.src])
+    got = run_ir(ir, torch.nn.Module(), GraphOps(g.in_csr()), {"h": x}, {})
+    torch.testing.assert_close(got, want)
+
+    from ngra.engine.plan import StreamPlan, _source_operands
+
+    plan = StreamPlan.of(ir)
+    assert [n.name for n in plan.edge] == ["m", "acc"] and _source_operands(plan) == [id(h)]
