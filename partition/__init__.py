@@ -11,7 +11,7 @@
 
 from .chunk_grid import (Chunk, ChunkGrid, ChunkSource, CostModel, GridStats, compare_orderings,
                          format_stats_table, grid)
-from .ordering import Ordering, reorder
+from .ordering import Ordering, metis_parts, reorder
 from .plot import plot_chunk_counts
 from .store import ChunkStore, StoreError
 from .units import format_bytes, parse_bytes
