@@ -12,37 +12,58 @@ for it (ZeRO stage 1/2: optimizer state 2N/K per rank instead of 2N), while the 
 stay those of an all-reduce (a ring all-reduce *is* a reduce-scatter then an all-gather).
 
 :class:`FusedAdam` does this per DDP gradient bucket in a comm hook
-(``DistributedDataParallel.register_comm_hook``). DDP calls the hook for bucket 0, 1, ... as each
-bucket's gradients are ready during backward, and the hook
+(``DistributedDataParallel.register_comm_hook``). Each parameter of ``n`` elements is cut into K
+parts of ``n // K`` elements, rank ``r`` owning ``[r * (n // K), (r + 1) * (n // K))``, and a
+tail of the last ``n % K`` (< K) elements that every rank owns. DDP calls the hook for bucket 0,
+1, ... as each bucket's gradients are ready during backward, and the hook
 
-1. copies the bucket into a send buffer ``[K, W + P]``: row ``r`` holds rank ``r``'s part of every
-   parameter of the bucket (each parameter of ``n`` elements is cut into K parts of
-   ``s = ceil(n / K)``, the last ones padded with zeros), divided by K as DDP does, plus ``P``
-   "used" flags (1 where this rank computed a gradient for the parameter);
-2. starts an asynchronous reduce-scatter of it: rank ``r`` receives ``sum_k send_k[r]``, the mean
-   gradient of its parts and the number of ranks that used each parameter;
-3. finishes every earlier bucket whose reduce-scatter has completed, in bucket order: Adam on the
-   rank's parts (exactly ``torch.optim.Adam``'s arithmetic, element by element), and starts an
-   asynchronous all-gather of the updated parts (on a second process group, so that the order
-   of collectives on each group is the same on every rank whatever completes when).
+1. copies the bucket's gradients into a send buffer ``[K, W]``: row ``r`` holds rank ``r``'s part
+   of every parameter of the bucket (``W`` = the sum of the parts, so ``K W`` + the tails = the
+   bucket's elements), divided by K as DDP does; and the tails, with ``P`` "used" flags (1 where
+   this rank computed a gradient for the parameter), into a small tail buffer ``[T + P]``;
+2. starts an asynchronous reduce-scatter of the send buffer (rank ``r`` receives ``sum_k
+   send_k[r]``, the mean gradient of its parts) and an all-reduce of the tail buffer (the mean
+   gradient of the tails and the number of ranks that used each parameter);
+3. finishes every earlier bucket whose collectives have completed, in bucket order: Adam on the
+   rank's parts and on the tails (exactly ``torch.optim.Adam``'s arithmetic, element by element),
+   the updated parts written into row ``r`` of the send buffer, and starts an asynchronous
+   all-gather of the rows into that same buffer (in place; on a second process group, so that the
+   order of collectives on each group is the same on every rank whatever completes when).
 
 So the communication of bucket k overlaps the backward of the buckets after it, and Adam of
 bucket k runs as soon as its gradient shard has arrived. The last bucket's hook waits for the
 remaining reduce-scatters. :meth:`FusedAdam.step` waits for the all-gathers and writes the
-gathered values into the parameters: writing them during backward would change tensors that
-autograd may still need (a parameter used twice, tied weights), so the write is deferred.
+gathered parts and the tails into the parameters: writing them during backward would change
+tensors that autograd may still need (a parameter used twice, tied weights), so the write is
+deferred.
 
 Why parts of every parameter and not a contiguous slice of the bucket: DDP rebuilds its buckets
 after the first iteration (in the order gradients became ready) and can change their
 membership; with per-parameter parts the optimizer state belongs to (parameter, rank) and does not
-move when the buckets do. The padding costs at most K - 1 elements per parameter.
+move when the buckets do. The tails are what keeps the send buffer no larger than the bucket
+(``K * (n // K) <= n``; parts of ``ceil(n / K)`` would need padding); they cost each rank Adam's
+state for at most K - 1 elements per parameter, the same on every rank.
+
+Buffers (``buffers=``). The send buffer is also the all-gather's output, so it lives from the
+bucket's hook to ``step()``: the size of the bucket, the model's size over all buckets.
+``"bucket"`` (the default where possible) uses DDP's own bucket buffer for it, which already
+holds a copy of the gradients that ``.grad`` also holds (``gradient_as_bucket_view=False``, DDP's
+default): FusedAdam rearranges that copy in place (from ``.grad``) and puts DDP's reducer in its
+optimizer-in-backward mode (the one ``torch.distributed.optim._apply_optimizer_in_backward``
+uses), in which DDP does not copy the bucket back into ``.grad`` at the end of backward. Then
+FusedAdam's own temporaries are the receive buffer of each reduce-scatter in flight (1/K of its
+bucket with a native reduce-scatter; the whole bucket with the ``all_to_all`` emulation) and the
+tails. ``"own"`` (the fallback with ``gradient_as_bucket_view=True``, where ``.grad`` *is* the
+bucket buffer) allocates the ``[K, W]`` buffer: about the model's size more at the end of
+backward (measured in benchmarks/fused_comm.py). In both, buffers that gloo allocates inside its
+collectives (on its own threads) are not counted.
 
 Parameters without a gradient: parameters with ``requires_grad=False`` are not in DDP's buckets
 and are never touched. With ``find_unused_parameters=True``, a parameter no rank used in this
 iteration gets no update, no moment decay and no step count, as ``torch.optim.Adam`` skips a
 parameter whose ``.grad`` DDP left at ``None``; one used on some ranks only is updated with the
 mean over all ranks (zeros where unused), as DDP averages it. The used flags travel with the
-reduce-scatter because DDP only learns which parameters are globally unused after the last bucket.
+tails because DDP only learns which parameters are globally unused after the last bucket.
 
 Reduce-scatter on gloo: ``torch.distributed.reduce_scatter_tensor`` exists for gloo in both torch
 2.2 and 2.13, but in torch 2.2 only as a synchronous fallback ("not supported with
@@ -57,9 +78,11 @@ measured 2-4x slower than an all-reduce of the same output size (benchmarks/fuse
 
 What differs from DDP + Adam (documented, tested where it matters):
 
-- after backward, ``.grad`` holds this rank's *local* gradient (DDP copies the bucket back), not
-  the mean over ranks: the mean exists only as shards, so gradient clipping by global norm and
-  anything else reading ``.grad`` between backward and ``step()`` sees local values;
+- after backward, ``.grad`` holds this rank's *local* gradient, not the mean over ranks (with
+  ``"bucket"`` a parameter this rank did not use keeps ``.grad`` None, where DDP would give
+  it zeros): the mean exists only as shards, so gradient clipping by global norm and anything
+  else reading ``.grad`` between backward and ``step()`` sees local values; DDP's bucket buffers
+  hold no gradient after backward;
 - the mean gradient of K >= 3 ranks is summed in another order than gloo's all-reduce, so results
   equal DDP + Adam to rounding (bit for bit with K = 2 in float32 and float64 in our tests);
 - one parameter group; parameters in bfloat16/float16 keep a float32 master copy of their parts
@@ -81,13 +104,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["FusedAdam", "REDUCE_SCATTER_MODES", "ALL_GATHER_MODES"]
+__all__ = ["FusedAdam", "REDUCE_SCATTER_MODES", "ALL_GATHER_MODES", "BUFFER_MODES"]
 
 REDUCE_SCATTER_MODES = ("auto", "native", "all_to_all", "all_reduce")
 ALL_GATHER_MODES = ("native", "all_reduce")
+BUFFER_MODES = ("auto", "bucket", "own")
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-_FORMAT_SHARDED = "ngra.FusedAdam/sharded"
+# "/sharded" (no suffix): the layout before the tails (ceil(n / K) parts, the last ones padded).
+_FORMAT_SHARDED = "ngra.FusedAdam/sharded-2"
 
 
 def _collective(new: str, old: str):
@@ -102,38 +127,41 @@ _all_gather_single = _collective("all_gather_single", "all_gather_into_tensor")
 
 @dataclass
 class _Slot:
-    """One parameter inside a bucket's send buffer: columns ``[col, col + part)`` of every row.
+    """One parameter of a bucket: its K main parts are columns ``[col, col + part)`` of the K rows
+    of the bucket's ``[K, W]`` send and all-gather buffers, its tail columns ``[tcol, tcol +
+    tail)`` of the bucket's tail buffer.
 
-    Rank ``r`` owns the elements ``[r * part, r * part + valid)`` of the flattened parameter
-    (``valid = clamp(numel - r * part, 0, part)``)."""
+    With ``part = numel // K`` and ``tail = numel % K``, rank ``r`` owns the elements ``[r * part,
+    (r + 1) * part)`` of the flattened parameter; the last ``tail`` (< K) elements belong to every
+    rank (each updates them alike from the all-reduced tail)."""
 
     index: int          # the parameter's index in param_groups[0]["params"]
     param: torch.Tensor
     numel: int
-    part: int           # s = ceil(numel / K)
+    part: int
     col: int
-    lo: int             # rank's first element
-    valid: int          # rank's element count (0 for a small parameter's last ranks)
+    tail: int
+    tcol: int
 
 
 @dataclass
 class _Layout:
     slots: list
-    width: int          # W = sum of parts; flags follow in columns [W, W + P)
+    width: int          # W = sum of parts: the [K, W] buffers hold numel - tails elements
+    tails: int          # T = sum of tails; the tail buffer is [T + P]: tails, then P used flags
     dtype: torch.dtype
-
-    @property
-    def row(self) -> int:
-        return self.width + len(self.slots)
 
 
 @dataclass
 class _Pending:
     layout: _Layout
+    rows: torch.Tensor  # [K, W]: the send buffer, then the all-gather buffer
     work: object
-    result: object      # () -> [W + P] reduced row of this rank
+    result: object      # () -> [W] reduced main parts of this rank
+    tail: torch.Tensor  # [T + P], all-reduced: mean tails, then the used counts
+    tail_work: object
     launched: float
-    nbytes: int         # send + receive buffers
+    nbytes: int         # FusedAdam's own buffers of this bucket alive until its Adam is done
     done_at: list = field(default_factory=list)  # profiling: completion time, set by a waiter
 
 
@@ -158,8 +186,11 @@ class FusedAdam(torch.optim.Optimizer):
         m = b1 m + (1 - b1) g ;  v = b2 v + (1 - b2) g^2      (amsgrad: vmax = max(vmax, v))
         p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
-    computed by rank r only for its parts. Memory per rank: ``m, v`` (and ``vmax``) for about
-    N/K elements, plus a float32 master copy of the parts for low-precision parameters.
+    computed by rank r only for its parts (and by every rank for the tails of fewer than K
+    elements per parameter). Memory per rank: ``m, v`` (and ``vmax``) for about N/K elements,
+    plus a float32 master copy of the parts for low-precision parameters, plus the transient
+    buffers of ``buffers`` (``"auto"``: ``"bucket"`` unless DDP has
+    ``gradient_as_bucket_view=True``, then ``"own"``; see the module doc).
 
     Construction is collective (every rank of DDP's process group must call it): it creates a
     second process group for the all-gathers and, with ``reduce_scatter="auto"``, probes the
@@ -168,16 +199,19 @@ class FusedAdam(torch.optim.Optimizer):
 
     ``reduce_scatter`` (``"auto"``, ``"native"``, ``"all_to_all"``, ``"all_reduce"``) and
     ``all_gather`` (``"native"``, ``"all_reduce"``) pick how the collectives are done (module doc).
-    ``profile=True`` records per step the launch and completion times of every collective and
-    the time spent in Adam (:attr:`stats`), with one waiter thread per collective.
+    ``profile=True`` records per step the launch and completion times of every collective, the
+    time spent in Adam and the peak bytes of FusedAdam's own buffers (:attr:`stats`), with one
+    waiter thread per collective.
     """
 
     def __init__(self, ddp_model: DistributedDataParallel, lr: float = 1e-3,
                  betas: tuple = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, *,
                  amsgrad: bool = False, decoupled_weight_decay: bool = False,
                  reduce_scatter: str = "auto", all_gather: str = "native",
-                 profile: bool = False):
+                 buffers: str = "auto", profile: bool = False):
         _check_hyper(lr, betas, eps, weight_decay)
+        if buffers not in BUFFER_MODES:
+            raise ValueError(f"FusedAdam: buffers must be one of {BUFFER_MODES} (got {buffers!r})")
         if reduce_scatter not in REDUCE_SCATTER_MODES:
             raise ValueError(f"FusedAdam: reduce_scatter must be one of {REDUCE_SCATTER_MODES} "
                              f"(got {reduce_scatter!r})")
@@ -195,6 +229,7 @@ class FusedAdam(torch.optim.Optimizer):
         for p in params:
             if p.requires_grad and not p.is_floating_point():
                 raise TypeError(f"FusedAdam: expected floating-point parameters (got {p.dtype})")
+        buffers = _pick_buffers(buffers, ddp_model)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
@@ -222,6 +257,12 @@ class FusedAdam(torch.optim.Optimizer):
                 p.register_hook(self._used_marker(i))
         self._mode = self._pick_mode(reduce_scatter)
         self._ag_mode = all_gather
+        self._buffers = buffers
+        if buffers == "bucket":
+            # DDP must not copy the bucket back into .grad at the end of backward: FusedAdam
+            # has written the all-gathered parameters into it by then (torch's own optimizer in
+            # backward sets the same flag). .grad keeps the local gradient autograd put there.
+            ddp_model.reducer._set_optimizer_in_backward()
         self._layouts: dict = {}
         self._shard: dict = {}          # param index -> {"exp_avg", ...} of this rank's part
         self._steps = [0] * len(params)  # Adam's step count per parameter (same on all ranks)
@@ -253,14 +294,19 @@ class FusedAdam(torch.optim.Optimizer):
                                "backward, so call step() once after each backward")
         t0 = time.perf_counter()
         self._drain(block=True)  # nothing left normally: the last hook drained
-        for layout, out, work, *_ in self._gathers:
-            work.wait()
-            rows = out.view(self.world, layout.width)
+        k = self.world
+        for layout, rows, work, *_, tail in self._gathers:
+            if work is not None:
+                work.wait()
             for s in layout.slots:
-                # Rows r of columns [col, col + part) are rank r's parts, in order: the padded
-                # flattened parameter.
-                flat = rows[:, s.col:s.col + s.part].reshape(-1)[:s.numel]
-                s.param.copy_(flat.view_as(s.param))
+                # Rows r of columns [col, col + part) are rank r's parts, in order; then the
+                # tail, the same on every rank.
+                p = s.param.detach()
+                flat = p.view(-1) if p.is_contiguous() else torch.empty_like(p).view(-1)
+                flat[:k * s.part].view(k, s.part).copy_(rows[:, s.col:s.col + s.part])
+                flat[k * s.part:].copy_(tail[s.tcol:s.tcol + s.tail])
+                if not p.is_contiguous():
+                    p.copy_(flat.view(p.shape))
         if self.profile:
             for th in self._waiters:
                 th.join()
@@ -320,23 +366,25 @@ class FusedAdam(torch.optim.Optimizer):
             "max_exp_avg_sq" in st for st in self._shard.values())
             or self.param_groups[0]["amsgrad"] else [])
         state = {}
+        k, r = self.world, self.rank
         for i, p in enumerate(params):
             if self._steps[i] == 0:  # same on every rank, so every rank joins the same calls
                 continue
-            s = _part(p.numel(), self.world)
-            buf = torch.zeros(len(keys), self.world, s, dtype=_master_dtype(p.dtype),
+            part, tail = _split(p.numel(), k)
+            buf = torch.zeros(len(keys), p.numel(), dtype=_master_dtype(p.dtype),
                               device=p.device)
-            _, valid = _own(p.numel(), s, self.rank)
             mine = self._shard.get(i, {})
-            for k, key in enumerate(keys):
+            for j, key in enumerate(keys):
                 if key in mine:
-                    buf[k, self.rank, :valid] = mine[key]
+                    buf[j, r * part:(r + 1) * part] = mine[key][:part]
+                    if r == 0:  # the tail, the same on every rank: once
+                        buf[j, k * part:] = mine[key][part:]
             # Every rank adds its parts into zeros: a sum all-reduce is the gather (works on
             # every backend; the state dict is not on a hot path).
             dist.all_reduce(buf, group=self._group)
             state[i] = {"step": torch.tensor(float(self._steps[i]))}
-            for k, key in enumerate(keys):
-                state[i][key] = buf[k].reshape(-1)[:p.numel()].view(p.shape).to(p.dtype).clone()
+            for j, key in enumerate(keys):
+                state[i][key] = buf[j].view(p.shape).to(p.dtype).clone()
         return {"state": state, "param_groups": [self._group_dict()]}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -353,7 +401,12 @@ class FusedAdam(torch.optim.Optimizer):
             raise ValueError("FusedAdam.load_state_dict: expected a state for "
                              f"{len(params)} parameters (got {len(groups[0].get('params', ()))});"
                              " load the state dict of the same model")
-        sharded = state_dict.get("format") == _FORMAT_SHARDED
+        fmt = state_dict.get("format")
+        if isinstance(fmt, str) and fmt.startswith("ngra.FusedAdam/") and fmt != _FORMAT_SHARDED:
+            raise ValueError(f"FusedAdam.load_state_dict: a shard of format {fmt!r}, written by "
+                             f"an earlier FusedAdam whose parts differ (expected "
+                             f"{_FORMAT_SHARDED!r}); save it with full_state_dict() there")
+        sharded = fmt == _FORMAT_SHARDED
         if sharded and (state_dict["world_size"], state_dict["rank"]) != (self.world, self.rank):
             raise ValueError("FusedAdam.load_state_dict: this shard was saved by rank "
                              f"{state_dict['rank']} of {state_dict['world_size']} (expected rank "
@@ -367,8 +420,8 @@ class FusedAdam(torch.optim.Optimizer):
             if not sharded:
                 step = st["step"]
                 steps[i] = int(step.item() if isinstance(step, torch.Tensor) else step)
-            _, valid = _own(p.numel(), _part(p.numel(), self.world), self.rank)
-            lo = self.rank * _part(p.numel(), self.world)
+            part, _ = _split(p.numel(), self.world)
+            lo = self.rank * part
             new = {}
             for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
                 if key not in st:
@@ -378,11 +431,11 @@ class FusedAdam(torch.optim.Optimizer):
                     if t.shape != p.shape:
                         raise ValueError(f"FusedAdam.load_state_dict: parameter {i} {key} has "
                                          f"shape {tuple(t.shape)} (expected {tuple(p.shape)})")
-                    t = t.reshape(-1)[lo:lo + valid]
+                    t = _mine(t.reshape(-1), lo, part, self.world)
                 new[key] = t.detach().to(device=p.device, dtype=_master_dtype(p.dtype)).clone()
             if not sharded and p.dtype in _LOW_PRECISION:
-                new["master"] = p.detach().reshape(-1)[lo:lo + valid].float()
-            if valid > 0 and new:
+                new["master"] = _mine(p.detach().reshape(-1), lo, part, self.world).float()
+            if new:
                 shard[i] = new
         self._shard, self._steps = shard, steps
         g = self.param_groups[0]
@@ -411,16 +464,38 @@ class FusedAdam(torch.optim.Optimizer):
                          "peak_buffer_bytes": 0}
         t0 = time.perf_counter()
         layout = self._layout(bucket)
-        grads = bucket.gradients()
-        send = torch.empty(self.world, layout.row, dtype=layout.dtype, device=grads[0].device)
+        k, w, nt = self.world, layout.width, layout.tails
+        if self._buffers == "bucket":
+            # The send buffer is DDP's bucket: its copy of the gradients is not needed any more,
+            # since .grad holds them too (gradient_as_bucket_view=False), and DDP will not copy
+            # it back (optimizer-in-backward mode). It later receives the all-gather.
+            rows = bucket.buffer()[:k * w].view(k, w)
+            grads = [s.param.grad for s in layout.slots]
+            for g in grads:
+                if g is not None and _shares_storage(g, rows):
+                    raise RuntimeError("FusedAdam: a .grad is a view of DDP's bucket buffer "
+                                       "(expected gradient_as_bucket_view=False); pass "
+                                       "buffers='own'")
+        else:
+            rows = torch.empty(k, w, dtype=layout.dtype, device=bucket.buffer().device)
+            grads = bucket.gradients()
+        tail = torch.empty(nt + len(layout.slots), dtype=layout.dtype, device=rows.device)
         for j, (s, g) in enumerate(zip(layout.slots, grads)):
-            _fill_rows(send[:, s.col:s.col + s.part], g.reshape(-1))
-            # Every row carries the flag, so every rank receives the count of ranks that used it.
-            send[:, layout.width + j] = float(self._used[s.index])
+            # Row r, columns [col, col + part): rank r's part; the tail after the K parts.
+            if g is None:  # not used on this rank: DDP's bucket holds zeros for it
+                rows[:, s.col:s.col + s.part].zero_()
+                tail[s.tcol:s.tcol + s.tail].zero_()
+            else:
+                g = g.reshape(-1)
+                rows[:, s.col:s.col + s.part].copy_(g[:k * s.part].view(k, s.part))
+                tail[s.tcol:s.tcol + s.tail].copy_(g[k * s.part:])
+            # Summed over the ranks: how many used the parameter.
+            tail[nt + j] = float(self._used[s.index])
             self._used[s.index] = False
         # Divide by K as DDP does before its sum all-reduce (gloo has no AVG), flags excepted.
-        send[:, :layout.width].div_(self.world)
-        self._inflight.append(self._launch_reduce_scatter(send, layout))
+        rows.div_(k)
+        tail[:nt].div_(k)
+        self._inflight.append(self._launch_reduce_scatter(rows, tail, layout))
         if self.profile:
             self._cur["hooks"].append((t0, index))
             self._note_buffers()
@@ -430,7 +505,8 @@ class FusedAdam(torch.optim.Optimizer):
         if bucket.is_last():
             self._phase = "ready"
         fut = torch.futures.Future()
-        # DDP copies this back into the bucket: .grad keeps the local gradient (see module doc).
+        # "own": DDP copies this back into .grad, which it holds already (the local gradient).
+        # "bucket": DDP takes views of it and copies nothing.
         fut.set_result(bucket.buffer())
         return fut
 
@@ -439,48 +515,62 @@ class FusedAdam(torch.optim.Optimizer):
         key = tuple(id(p) for p in params)
         layout = self._layouts.get(key)
         if layout is None:
-            slots, col = [], 0
+            slots, col, tcol = [], 0, 0
             for p in params:
                 i = self._index.get(id(p))
                 if i is None:
                     raise RuntimeError("FusedAdam: DDP's bucket holds a parameter that is not in "
                                        "ddp_model.module.parameters() (expected the same model "
                                        "FusedAdam was created with)")
-                s = _part(p.numel(), self.world)
-                lo, valid = _own(p.numel(), s, self.rank)
-                slots.append(_Slot(i, p, p.numel(), s, col, lo, valid))
-                col += s
+                part, tail = _split(p.numel(), self.world)
+                slots.append(_Slot(i, p, p.numel(), part, col, tail, tcol))
+                col += part
+                tcol += tail
             dtypes = {p.dtype for p in params}
             if len(dtypes) != 1:
                 raise RuntimeError("FusedAdam: a DDP bucket mixes dtypes "
                                    f"{sorted(map(str, dtypes))} (expected one; DDP buckets by "
                                    "dtype)")
-            layout = self._layouts[key] = _Layout(slots, col, dtypes.pop())
+            numel = bucket.buffer().numel()
+            if self._buffers == "bucket" and numel != self.world * col + tcol:
+                raise RuntimeError(f"FusedAdam: DDP's bucket buffer has {numel} elements, not "
+                                   f"the {self.world * col + tcol} of its parameters (expected "
+                                   "no padding); pass buffers='own'")
+            layout = self._layouts[key] = _Layout(slots, col, tcol, dtypes.pop())
         return layout
 
-    def _launch_reduce_scatter(self, send: torch.Tensor, layout: _Layout) -> _Pending:
-        k, row = self.world, layout.row
+    def _launch_reduce_scatter(self, rows: torch.Tensor, tail: torch.Tensor,
+                               layout: _Layout) -> _Pending:
+        k, w = self.world, layout.width
         t0 = time.perf_counter()
-        if self._mode == "native":
-            recv = torch.empty(row, dtype=send.dtype, device=send.device)
-            work = _reduce_scatter_single(recv, send.view(-1), group=self._group, async_op=True)
+        own = 0 if self._buffers == "bucket" else rows.numel()
+        if w == 0:  # every parameter smaller than K: all in the tail
+            work, result, recv = None, (lambda: rows[self.rank]), None  # noqa: E731
+        elif self._mode == "native":
+            recv = torch.empty(w, dtype=rows.dtype, device=rows.device)
+            work = _reduce_scatter_single(recv, rows.view(-1), group=self._group, async_op=True)
             result = lambda: recv  # noqa: E731
         elif self._mode == "all_to_all":
             # Rank r sends row j to rank j and receives every rank's row r: then the sum over
             # the K received rows is the reduce-scatter's result.
-            recv = torch.empty(k, row, dtype=send.dtype, device=send.device)
-            work = dist.all_to_all_single(recv.view(-1), send.view(-1), group=self._group,
+            recv = torch.empty(k, w, dtype=rows.dtype, device=rows.device)
+            work = dist.all_to_all_single(recv.view(-1), rows.view(-1), group=self._group,
                                           async_op=True)
             result = lambda: recv.sum(0)  # noqa: E731
         else:
-            work = dist.all_reduce(send, group=self._group, async_op=True)
-            result = lambda: send[self.rank]  # noqa: E731
-        nbytes = (send.numel() + (recv.numel() if self._mode != "all_reduce" else 0)) * \
-            send.element_size()
-        pend = _Pending(layout, work, result, time.perf_counter(), nbytes)
+            recv = None
+            work = dist.all_reduce(rows, group=self._group, async_op=True)
+            # A copy: row r becomes this rank's all-gather input, written before Adam is done.
+            result = lambda: rows[self.rank].clone()  # noqa: E731
+            own += w
+        # Same order on every rank: the bucket's reduce-scatter, then its tail's all-reduce.
+        tail_work = dist.all_reduce(tail, group=self._group, async_op=True)
+        nbytes = (own + (0 if recv is None else recv.numel()) + tail.numel()) * \
+            rows.element_size()
+        pend = _Pending(layout, rows, work, result, tail, tail_work, time.perf_counter(), nbytes)
         if self.profile:
             self._cur["launch_s"] += pend.launched - t0
-        self._watch(work, pend.done_at)
+        self._watch(tail_work if work is None else work, pend.done_at)
         return pend
 
     def _drain(self, block: bool) -> None:
@@ -488,15 +578,17 @@ class FusedAdam(torch.optim.Optimizer):
         order; with ``block``, for all of them."""
         while self._inflight:
             pend = self._inflight[0]
-            if not block and not pend.work.is_completed():
+            if not block and not all(w is None or w.is_completed()
+                                     for w in (pend.work, pend.tail_work)):
                 break
             t0 = time.perf_counter()
-            pend.work.wait()
+            if pend.work is not None:
+                pend.work.wait()
+            pend.tail_work.wait()
             t1 = time.perf_counter()
             self._inflight.popleft()
-            reduced = pend.result()
             launched = self._cur.get("launch_s", 0.0)
-            self._update_and_gather(pend.layout, reduced)
+            self._update_and_gather(pend)
             t2 = time.perf_counter()
             if self.profile:
                 self._cur["blocked_s"] += t1 - t0
@@ -505,68 +597,86 @@ class FusedAdam(torch.optim.Optimizer):
                 self._cur.setdefault("_pending", []).append((pend, t1))
 
     @torch.no_grad()
-    def _update_and_gather(self, layout: _Layout, reduced: torch.Tensor):
+    def _update_and_gather(self, pend: _Pending):
         group = self.param_groups[0]
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
         wd, amsgrad, decoupled = (group["weight_decay"], group["amsgrad"],
                                   group["decoupled_weight_decay"])
-        dtype = layout.dtype
-        src = torch.empty(max(layout.width, 1), dtype=dtype, device=reduced.device)
-        used = [u > 0 for u in reduced[layout.width:].tolist()]  # identical on every rank
+        layout, rows, tail = pend.layout, pend.rows, pend.tail
+        k, r, nt, dtype = self.world, self.rank, layout.tails, layout.dtype
+        reduced = pend.result()  # [W]: this rank's mean parts
+        # The rank's row receives its updated parts (the all-gather's input, in place) and the
+        # tail buffer the updated tails (every rank computes the same).
+        mine = rows[r]
+        used = [u > 0 for u in tail[nt:].tolist()]  # identical on every rank
         for j, s in enumerate(layout.slots):
             if used[j]:
                 self._steps[s.index] += 1  # on every rank, so step counts agree everywhere
-            if s.valid == 0:
+            if s.numel == 0:
                 continue
-            part = src[s.col:s.col + s.valid]
             p_flat = s.param.detach().reshape(-1)
+            # This rank's elements: its part, then the tail (shared by all ranks).
+            spans = ((mine[s.col:s.col + s.part], reduced[s.col:s.col + s.part],
+                      p_flat[r * s.part:(r + 1) * s.part], 0, s.part),
+                     (tail[s.tcol:s.tcol + s.tail], tail[s.tcol:s.tcol + s.tail],
+                      p_flat[k * s.part:], s.part, s.part + s.tail))
             st = self._shard.get(s.index)
             if not used[j]:  # no rank has a gradient: torch.optim.Adam skips it (grad is None)
-                part.copy_(st["master"] if st is not None and "master" in st
-                           else p_flat[s.lo:s.lo + s.valid])
+                for out, _, cur, lo, hi in spans:
+                    out.copy_(st["master"][lo:hi] if st is not None and "master" in st else cur)
                 continue
             if st is None:
                 mdt = _master_dtype(dtype)
                 st = self._shard[s.index] = {
-                    "exp_avg": torch.zeros(s.valid, dtype=mdt, device=reduced.device)}
+                    "exp_avg": torch.zeros(s.part + s.tail, dtype=mdt, device=rows.device)}
                 st["exp_avg_sq"] = torch.zeros_like(st["exp_avg"])
                 if dtype in _LOW_PRECISION:
-                    st["master"] = p_flat[s.lo:s.lo + s.valid].float()
+                    st["master"] = torch.cat([sp[2] for sp in spans]).float()
             if amsgrad and "max_exp_avg_sq" not in st:
                 st["max_exp_avg_sq"] = torch.zeros_like(st["exp_avg"])
-            if "master" in st:
-                param = st["master"]
-            else:
-                # Same dtype: the parameter itself holds the exact current value of the part
-                # (step() wrote it from the all-gather), so no master copy is kept.
-                param = part
-                param.copy_(p_flat[s.lo:s.lo + s.valid])
-            grad = reduced[s.col:s.col + s.valid]
-            if grad.dtype != param.dtype:
-                grad = grad.to(param.dtype)
-            _adam(param, grad, st, self._steps[s.index], lr, beta1, beta2, eps, wd, amsgrad,
-                  decoupled)
-            if param is not part:
-                part.copy_(param)
+            for out, grad, cur, lo, hi in spans:
+                if hi == lo:
+                    continue
+                sub = {key: v[lo:hi] for key, v in st.items()}
+                if "master" in sub:
+                    param = sub["master"]
+                else:
+                    # The tail's gradient and its output share the tail buffer: Adam reads the
+                    # gradient into a copy first (a few elements).
+                    if grad.data_ptr() == out.data_ptr():
+                        grad = grad.clone()
+                    # Same dtype: the parameter itself holds the exact current value of the
+                    # part (step() wrote it from the all-gather), so no master copy is kept.
+                    param = out
+                    param.copy_(cur)
+                if grad.dtype != param.dtype:
+                    grad = grad.to(param.dtype)
+                _adam(param, grad, sub, self._steps[s.index], lr, beta1, beta2, eps, wd, amsgrad,
+                      decoupled)
+                if param is not out:
+                    out.copy_(param)
         t = time.perf_counter()
-        if self._ag_mode == "native":
-            out = torch.empty(self.world * layout.width, dtype=dtype, device=reduced.device)
-            work = _all_gather_single(out, src[:layout.width], group=self._ag_group,
-                                      async_op=True)
+        work = None
+        if layout.width == 0:
+            pass
+        elif self._ag_mode == "native":
+            work = _all_gather_single(rows.view(-1), mine, group=self._ag_group, async_op=True)
         else:
             # Each rank adds its row into zeros: the sum is the gather (x + 0 = x exactly).
             # Twice the bytes of an all-gather, but gloo's all-reduce is much faster than its
             # all-gather (see benchmarks/fused_comm.py).
-            out = torch.zeros(self.world, layout.width, dtype=dtype, device=reduced.device)
-            out[self.rank] = src[:layout.width]
-            out = out.view(-1)
-            work = dist.all_reduce(out, group=self._ag_group, async_op=True)
+            rows[:r].zero_()
+            rows[r + 1:].zero_()
+            work = dist.all_reduce(rows, group=self._ag_group, async_op=True)
         if self.profile:
             self._cur["launch_s"] += time.perf_counter() - t
         done: list = []
-        self._watch(work, done)
-        self._gathers.append((layout, out, work, t, done,
-                              (out.numel() + src.numel()) * out.element_size()))
+        if work is not None:
+            self._watch(work, done)
+        # Kept until step(): the [K, W] buffer (FusedAdam's own only in "own" mode) and the
+        # updated tails.
+        own = (0 if self._buffers == "bucket" else rows.numel()) + tail.numel()
+        self._gathers.append((layout, rows, work, t, done, own * rows.element_size(), tail))
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -630,6 +740,11 @@ class FusedAdam(torch.optim.Optimizer):
         return self._ag_mode
 
     @property
+    def buffer_mode(self) -> str:
+        """Where the send and all-gather buffers live: ``"bucket"`` or ``"own"``."""
+        return self._buffers
+
+    @property
     def reduce_scatter_mode(self) -> str:
         """The reduce-scatter used: ``"native"``, ``"all_to_all"`` or ``"all_reduce"``."""
         return self._mode
@@ -658,31 +773,35 @@ def _adam(param, grad, st, step, lr, beta1, beta2, eps, wd, amsgrad, decoupled) 
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
-def _part(numel: int, world: int) -> int:
-    """s = ceil(numel / K): every rank's part size of a parameter (the last ones padded)."""
-    return -(-numel // world)
+def _split(numel: int, world: int) -> tuple:
+    """(part, tail): every rank owns ``part = numel // K`` elements, ``[r * part, (r + 1) *
+    part)``; the last ``tail = numel % K`` belong to every rank."""
+    return numel // world, numel % world
 
 
-def _own(numel: int, part: int, rank: int) -> tuple:
-    """(first element, element count) of ``rank``'s part: count = clamp(numel - r s, 0, s)."""
-    lo = rank * part
-    return lo, max(0, min(part, numel - lo))
+def _mine(flat: torch.Tensor, lo: int, part: int, world: int) -> torch.Tensor:
+    """A rank's elements of a flattened parameter-shaped tensor: its part, then the tail."""
+    return torch.cat([flat[lo:lo + part], flat[world * part:]])
 
 
-def _fill_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst`` [K, s] (a strided view) <- ``src`` [n] cut into rows of s, zero-padded."""
-    k, s = dst.shape
-    if s == 0:
-        return
-    n = src.numel()
-    q = n // s
-    if q:
-        dst[:q].copy_(src[:q * s].view(q, s))
-    if q < k:
-        rem = n - q * s
-        dst[q, :rem].copy_(src[q * s:])
-        dst[q, rem:].zero_()
-        dst[q + 1:].zero_()
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _pick_buffers(mode: str, ddp_model) -> str:
+    """"bucket" where DDP's bucket buffer is free to use (module doc), else "own"."""
+    as_view = bool(getattr(ddp_model, "gradient_as_bucket_view", False))
+    flag = hasattr(ddp_model.reducer, "_set_optimizer_in_backward")
+    if mode == "auto":
+        return "bucket" if flag and not as_view else "own"
+    if mode == "bucket" and as_view:
+        raise ValueError("FusedAdam: buffers='bucket' needs DDP(gradient_as_bucket_view=False) "
+                         "(got True: .grad is the bucket buffer there, which FusedAdam would "
+                         "overwrite); pass buffers='own' or 'auto'")
+    if mode == "bucket" and not flag:
+        raise ValueError(f"FusedAdam: buffers='bucket' needs DDP's optimizer-in-backward mode, "
+                         f"which this torch ({torch.__version__}) lacks; pass buffers='own'")
+    return mode
 
 
 def _master_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -3,10 +3,12 @@ DDP + torch.optim.Adam: on 2, 3 and 4 real gloo processes, after several steps e
 equals the unfused run (float32 with 2 ranks: bit for bit; float64: to 1e-12), with parameter
 sizes not divisible by the number of ranks, a parameter no rank uses, one only some ranks use, a
 frozen parameter, one bucket per parameter, DDP's bucket rebuild after the first iteration,
-weight decay (L2 and AdamW), amsgrad and the three reduce-scatter implementations; bfloat16
-parameters are updated through a float32 master copy. The optimizer
-state is 1/K per rank, its state dicts round-trip (also to and from torch.optim.Adam), and misuse
-fails with a message that says what to do.
+weight decay (L2 and AdamW), amsgrad, the three reduce-scatter implementations and both buffer
+modes (DDP's bucket buffer, or buffers of its own, also under gradient_as_bucket_view=True);
+bfloat16 parameters are updated through a float32 master copy. .grad keeps the local gradient.
+The optimizer state is about 1/K per rank, with DDP's buckets FusedAdam's transient buffers and
+a step's memory are the model's size smaller than with its own, its state dicts round-trip (also
+to and from torch.optim.Adam), and misuse fails with a message that says what to do.
 
 Each world size is one spawn of K workers running several scenarios (starting K interpreters and
 DDP's first import cost seconds each on this 2-core machine)."""
@@ -50,7 +52,8 @@ def _data(rank, step, dtype):
             torch.randn(6, 3, generator=gen, dtype=dtype))
 
 
-def _setup(fused, dtype, opt_kw, ddp_kw, partial=True, mode="auto", gather="native"):
+def _setup(fused, dtype, opt_kw, ddp_kw, partial=True, mode="auto", gather="native",
+           buffers="auto"):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ngra.distributed.fused import FusedAdam
@@ -61,8 +64,8 @@ def _setup(fused, dtype, opt_kw, ddp_kw, partial=True, mode="auto", gather="nati
         torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = int(ddp_kw["bucket_cap_mb"] * 2 ** 20)
     model = DDP(_Net(dtype, partial), find_unused_parameters=partial, **ddp_kw)
     if fused:
-        return model, FusedAdam(model, reduce_scatter=mode, all_gather=gather, profile=True,
-                                **opt_kw)
+        return model, FusedAdam(model, reduce_scatter=mode, all_gather=gather, buffers=buffers,
+                                profile=True, **opt_kw)
     kw = dict(opt_kw)
     cls = torch.optim.AdamW if kw.pop("decoupled_weight_decay", False) else torch.optim.Adam
     return model, cls(model.parameters(), **kw)
@@ -79,12 +82,14 @@ def _run(rank, model, opt, steps, start=0, dtype=torch.float64):
     return {n: p.detach().clone() for n, p in model.module.named_parameters()}
 
 
-def _equivalence(rank, dtype, opt_kw, ddp_kw, partial=True, mode="auto", gather="native"):
+def _equivalence(rank, dtype, opt_kw, ddp_kw, partial=True, mode="auto", gather="native",
+                 buffers="auto"):
     ref = _run(rank, *_setup(False, dtype, opt_kw, ddp_kw, partial), STEPS, dtype=dtype)
-    model, opt = _setup(True, dtype, opt_kw, ddp_kw, partial, mode, gather)
+    model, opt = _setup(True, dtype, opt_kw, ddp_kw, partial, mode, gather, buffers)
     got = _run(rank, model, opt, STEPS, dtype=dtype)
     names = [n for n, _ in model.module.named_parameters()]
     return {"ref": ref, "got": got, "mode": (opt.reduce_scatter_mode, opt.all_gather_mode),
+            "buffers": opt.buffer_mode,
             "bytes": opt.state_bytes(),
             "steps": dict(zip(names, opt._steps)), "layouts": len(opt._layouts),
             "buckets": [len(s["hooks"]) for s in opt.stats]}
@@ -124,11 +129,12 @@ def _state_dicts(rank, world):
     model.module.load_state_dict(params)
     adam.load_state_dict(full)
     out["to_adam"] = _run(rank, model, adam, 2, start=2)
-    try:
-        bad = dict(shard, rank=(rank + 1) % world)
-        opt.load_state_dict(bad)
-    except ValueError as e:
-        out["wrong_rank"] = str(e)
+    for key, bad in (("wrong_rank", dict(shard, rank=(rank + 1) % world)),
+                     ("old_format", dict(shard, format="ngra.FusedAdam/sharded"))):
+        try:
+            opt.load_state_dict(bad)
+        except ValueError as e:
+            out[key] = str(e)
     return out
 
 
@@ -150,6 +156,11 @@ def _misuse(rank, world):
             fn()
         except (RuntimeError, ValueError) as e:
             errors[name] = str(e)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    try:  # refused before any collective, on every rank alike
+        FusedAdam(DDP(_Net(torch.float64), gradient_as_bucket_view=True), buffers="bucket")
+    except ValueError as e:
+        errors["bucket_as_view"] = str(e)
     x, y = _data(rank, 0, torch.float64)
     ((model(x, False) - y) ** 2).mean().backward()
     try:
@@ -186,15 +197,78 @@ def _low_precision(rank, world):
     out = {}
     for i, ((name, p), r) in enumerate(zip(params, ref)):
         st = opt._shard.get(i)
-        lo = rank * -(-p.numel() // world)
-        want = r.detach().reshape(-1)[lo:lo + (0 if st is None else st["master"].numel())]
+        q, flat = p.numel() // world, r.detach().reshape(-1)
+        want = torch.cat([flat[rank * q:(rank + 1) * q], flat[world * q:]])
         out[name] = (p.detach().clone(), r.detach().clone(),
                      None if st is None else st["master"].clone(), want)
     return out
 
 
+def _local_grads(rank, world):
+    """.grad after backward is this rank's own gradient in both buffer modes (DDP copies nothing
+    back in "bucket" mode, and its bucket then holds the gathered parameters)."""
+    out = {}
+    for buffers in ("bucket", "own"):
+        model, opt = _setup(True, torch.float64, {"lr": 0.05}, {}, partial=False,
+                            buffers=buffers)
+        plain = copy.deepcopy(model.module)
+        x, y = _data(rank, 0, torch.float64)
+        ((model(x, True) - y) ** 2).mean().backward()
+        ((plain(x, True) - y) ** 2).mean().backward()
+        out[buffers] = all(torch.equal(p.grad, q.grad) for p, q in
+                           zip(model.module.parameters(), plain.parameters()) if p.requires_grad)
+        opt.step()
+    return out
+
+
+class _Wide(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def _memory(rank, world):
+    """Peak bytes of FusedAdam's own buffers (its accounting) and of every tensor a training
+    step creates (ngra.engine.TensorMemory), per buffer mode and for DDP + Adam."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ngra.distributed.fused import FusedAdam
+    from ngra.engine import TensorMemory
+
+    out = {}
+    for name in ("ddp+adam", "bucket", "own"):
+        torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = 16_640  # one bucket per Linear
+        model = DDP(_Wide(), bucket_cap_mb=16_640 / 2 ** 20)
+        opt = (torch.optim.Adam(model.parameters()) if name == "ddp+adam"
+               else FusedAdam(model, buffers=name, profile=True))
+        for step in range(3):  # DDP rebuilds its buckets after the first
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step + 10 * rank))
+            with TensorMemory() as tm:
+                model(x).square().mean().backward()
+                opt.step()
+            opt.zero_grad()
+        state = (sum(t.numel() * t.element_size() for st in opt.state.values()
+                     for t in st.values() if t.dim()) if name == "ddp+adam"
+                 else opt.state_bytes())
+        out[name] = {"step_peak": tm.peak, "state": state,
+                     "buffers": 0 if name == "ddp+adam" else opt.stats[-1]["peak_buffer_bytes"],
+                     "buckets": 0 if name == "ddp+adam" else len(opt.stats[-1]["hooks"]),
+                     "mode": None if name == "ddp+adam" else opt.reduce_scatter_mode,
+                     "params": [p.detach().clone() for p in model.parameters()]}
+    return out
+
+
 def _world2(rank, world):
     out = {"f32": _equivalence(rank, torch.float32, {"lr": 0.05}, {})}
+    out["f32_own"] = _equivalence(rank, torch.float32, {"lr": 0.05}, {}, buffers="own")
+    out["f32_as_view"] = _equivalence(rank, torch.float32, {"lr": 0.05},
+                                      {"gradient_as_bucket_view": True})
+    out["local_grads"] = _local_grads(rank, world)
+    out["memory"] = _memory(rank, world)
     out["bf16"] = _low_precision(rank, world)
     out["f64_buckets"] = _equivalence(rank, torch.float64, {"lr": 0.05, "weight_decay": 0.1},
                                       {"bucket_cap_mb": 1e-4}, partial=False)
@@ -244,19 +318,22 @@ def _check_equivalence(results, key, world, dtype, exact, partial=True, moments=
                 assert torch.equal(res["got"][name], init[name].detach()), name
                 assert res["steps"][name] == 0
             assert res["steps"]["some.weight"] == 3
-    # Optimizer state 1/K: moments of this rank's parts of ceil(n / K) elements.
+    # Optimizer state about 1/K: moments of this rank's part of n // K elements and of the
+    # n % K elements of the tail, which every rank updates.
     trained = [35, 5, 15, 3, 9, 3] + ([] if partial else [6, 2])
-    part = [-(-n // world) for n in trained]
-    own = [sum(max(0, min(s, n - rank * s)) for n, s in zip(trained, part))
-           for rank in range(world)]
-    assert [r[key]["bytes"] for r in results] == [moments * e * dtype.itemsize for e in own]
-    assert sum(own) == sum(trained)
+    own = sum(n // world + n % world for n in trained)
+    assert [r[key]["bytes"] for r in results] == [moments * own * dtype.itemsize] * world
 
 
 def test_two_ranks_bitwise_buckets_rebuild_and_misuse():
     results = distutil.run(_world2, 2, timeout=120)
     # K = 2: the two-term sum is the same in any order, so float32 matches bit for bit.
     _check_equivalence(results, "f32", 2, torch.float32, exact=True)
+    _check_equivalence(results, "f32_own", 2, torch.float32, exact=True)
+    _check_equivalence(results, "f32_as_view", 2, torch.float32, exact=True)
+    assert [results[0][k]["buffers"] for k in ("f32", "f32_own", "f32_as_view")] == \
+        ["bucket", "own", "own"]
+    assert all(r["local_grads"] == {"bucket": True, "own": True} for r in results)
     _check_equivalence(results, "f64_buckets", 2, torch.float64, exact=True, partial=False)
     for r in results:
         for name, (param, ref, master, want) in r["bf16"].items():
@@ -266,6 +343,23 @@ def test_two_ranks_bitwise_buckets_rebuild_and_misuse():
             assert master is not None and master.dtype == torch.float32, name
             torch.testing.assert_close(master, want, rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(param, ref.bfloat16())  # bfloat16 tolerance
+    model_bytes = 4 * (64 * 64 + 64) * 4
+    for r in results:
+        mem = r["memory"]
+        for name in ("bucket", "own"):  # the same training as DDP + Adam...
+            assert all(torch.equal(a, b) for a, b in zip(mem[name]["params"],
+                                                         mem["ddp+adam"]["params"]))
+            assert mem[name]["buckets"] == 4 and mem[name]["state"] == model_bytes
+        assert mem["ddp+adam"]["state"] == 2 * model_bytes
+        # ... "own" keeps a [K, W] buffer per bucket until step(), the model's size; "bucket"
+        # only the receive buffers of the buckets in flight (1/K of a bucket each, the whole
+        # bucket with torch 2.2's all_to_all; here all four at the last hook, this backward is
+        # too short for any to complete) and tails.
+        assert mem["own"]["buffers"] >= model_bytes
+        recv = model_bytes / (2 if mem["bucket"]["mode"] == "native" else 1)
+        assert mem["bucket"]["buffers"] <= recv + 1024, mem["bucket"]["buffers"]
+        # The whole step, every tensor it creates: "bucket" needs the model's size less.
+        assert mem["own"]["step_peak"] - mem["bucket"]["step_peak"] >= 0.9 * model_bytes, mem
     res = results[0]["f64_buckets"]
     # Several buckets, and DDP rebuilt them after the first iteration: more layouts than buckets.
     assert res["buckets"][-1] > 1 and res["layouts"] > res["buckets"][-1], res
@@ -274,6 +368,8 @@ def test_two_ranks_bitwise_buckets_rebuild_and_misuse():
         assert "expected loss.backward() through the DDP model before step()" in e["step_first"]
         assert "a DDP model takes one comm hook" in e["second_hook"]
         assert "expected exactly one parameter group" in e["add_group"]
+        assert "buffers='bucket' needs DDP(gradient_as_bucket_view=False)" in \
+            e["bucket_as_view"]
         assert "expected no update in flight" in e["state_in_flight"]
         assert "a second backward pass through the DDP model ran before step()" in \
             e["two_backwards"] and "no_sync()" in e["two_backwards"]
@@ -301,6 +397,7 @@ def test_three_ranks_uneven_parts_unused_parameters_and_state_dicts():
         for key in ("continued", "from_adam", "to_adam"):
             _assert_same(sd["ref"], sd[key], exact=False)
         assert "expected rank" in sd["wrong_rank"] and "full_state_dict()" in sd["wrong_rank"]
+        assert "written by an earlier FusedAdam" in sd["old_format"]
 
 
 @pytest.mark.slow
@@ -322,20 +419,21 @@ def test_argument_errors_need_no_process_group():
                     ({"eps": -1e-8}, "expected eps >= 0"),
                     ({"weight_decay": -0.1}, "expected weight_decay >= 0"),
                     ({"reduce_scatter": "ring"}, "reduce_scatter must be one of"),
+                    ({"buffers": "ring"}, "buffers must be one of"),
                     ({"all_gather": "ring"}, "all_gather must be one of")):
         with pytest.raises(ValueError, match=msg):
             FusedAdam(torch.nn.Linear(2, 2), **kw)
 
 
 def test_parts_cover_every_element_once():
-    from ngra.distributed.fused import _fill_rows, _own, _part
+    from ngra.distributed.fused import _mine, _split
 
     for n in (1, 2, 5, 12, 13):
         for k in (1, 2, 3, 4, 7):
-            s = _part(n, k)
-            spans = [_own(n, s, r) for r in range(k)]
-            covered = [i for lo, c in spans for i in range(lo, lo + c)]
-            assert covered == list(range(n)), (n, k, spans)
-            dst = torch.full((k, s), -1.0)
-            _fill_rows(dst, torch.arange(1.0, n + 1))
-            assert dst.reshape(-1).tolist() == list(range(1, n + 1)) + [0.0] * (k * s - n)
+            part, tail = _split(n, k)
+            assert k * part + tail == n and 0 <= tail < k
+            flat = torch.arange(n)
+            mine = [_mine(flat, r * part, part, k).tolist() for r in range(k)]
+            # The parts are disjoint and in order; the tail is the same on every rank.
+            assert sum((m[:part] for m in mine), []) + mine[0][part:] == list(range(n))
+            assert all(m[part:] == list(range(k * part, n)) for m in mine)
