@@ -234,6 +234,8 @@ def main(argv=None) -> int:
     ap.add_argument("--project", default="8,16,32,64", help="worker counts to project to")
     ap.add_argument("--data-dir", default=None, help="datasets folder (default: ../shared/datasets)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
+    ap.add_argument("--metis-balance", choices=("vertices", "edges"), default="vertices",
+                    help="what METIS parts balance (ngra.distributed.partition's balance)")
     ap.add_argument("--num-chunks", type=int, default=0,
                     help="each worker streams its piece through ngra.Engine(num_chunks=P)")
     ap.add_argument("--memory-budget", default="",
@@ -304,7 +306,7 @@ def main(argv=None) -> int:
                     if store is not None:  # runs of the store's intervals (METIS-ordered)
                         parts = DistGraph.store_parts(store, k)
                     else:
-                        parts = partition(g, k, method=method)
+                        parts = partition(g, k, method=method, balance=args.metis_balance)
                         np.save(folder / "parts.npy", parts.numpy())
                     part_s = time.perf_counter() - t0
                     res = _run_config(folder, k, wargs)

@@ -166,10 +166,10 @@ def test_compare_orderings_and_table():
 
 @needs_metis
 @pytest.mark.parametrize("parts", [2, 4])
-def test_metis_parts_balance_in_edges_on_a_skewed_graph(parts):
+def test_metis_parts_balance_edges_or_vertices_on_a_skewed_graph(parts):
     """On a power-law graph METIS balanced by vertex count alone gives one part nearly every
     edge; weighted by in-degree + 1 each part holds about its share of in-edges plus vertices
-    (METIS's default 3% imbalance, some slack for its coarsening), which is a worker's work."""
+    (METIS's default 3% imbalance, some slack for its coarsening); either balance is kept."""
     import partition
     from ngra.datasets.generators import rmat
 
@@ -178,6 +178,11 @@ def test_metis_parts_balance_in_edges_on_a_skewed_graph(parts):
     p = partition.metis_parts(src, dst, g.num_nodes, parts, seed=0)
     work = np.bincount(p, weights=np.bincount(dst, minlength=g.num_nodes) + 1.0, minlength=parts)
     assert work.max() <= 1.1 * work.sum() / parts, work
+    by_count = partition.metis_parts(src, dst, g.num_nodes, parts, seed=0, balance="vertices")
+    counts = np.bincount(by_count, minlength=parts)
+    assert counts.max() <= 1.1 * g.num_nodes / parts, counts
+    with pytest.raises(ValueError, match="balance must be 'edges' or 'vertices'"):
+        partition.metis_parts(src, dst, g.num_nodes, parts, balance="work")
     order = partition.reorder(src, dst, g.num_nodes, method="metis", num_parts=parts)
     assert np.array_equal(np.sort(p[order.perm]), p[order.perm])  # the ordering uses the same parts
     column_edges = np.bincount(p[dst], minlength=parts)
