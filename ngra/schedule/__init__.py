@@ -6,7 +6,8 @@ any unit of work) runs when on which device.
 - :mod:`~ngra.schedule.placements`: pipeline problems (linear, loop, V-shape, M-shape);
 - :mod:`~ngra.schedule.baselines`: GPipe, 1F1B, interleaved 1F1B, greedy, brute force;
 - :mod:`~ngra.schedule.search`: exact search with z3 and Tessel's repetend + completion;
-- :mod:`~ngra.schedule.execute`: running a schedule over torch.distributed point-to-point.
+- :mod:`~ngra.schedule.execute`: running a schedule over torch.distributed point-to-point, and
+  measuring the stage and transfer costs a search takes (calibration).
 """
 
 from .baselines import (best_standard, brute_force, gpipe, greedy, interleaved_1f1b, one_f_one_b,

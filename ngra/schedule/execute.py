@@ -1,18 +1,41 @@
 """Run a pipeline schedule for real: a GPT cut into stages, one process per device, activations and
-gradients over torch.distributed point-to-point (gloo on CPU).
+gradients over torch.distributed point-to-point (gloo on CPU); and measure the costs the search
+needs (:func:`calibrate`).
 
 Each rank walks its device's block order (:meth:`Schedule.orders`). ``F{s}.{i}`` takes micro-batch
 ``i``'s input of stage ``s`` (token ids for stage 0, else the previous stage's output: received
-from its rank with a blocking ``recv``, or handed over in memory when the previous stage is on the
-same rank), runs the stage and sends the output on with a non-blocking ``isend``. ``B{s}.{i}``
-back-propagates the stage (from ``loss_i / m`` at the last stage, else from the gradient received
-from stage ``s+1``) and sends the gradient of its input to stage ``s-1``. Sends never block, and a
-block waits only for the messages of its dependencies, so an order the simulator accepts (no
-deadlock) runs without deadlock. Every message has its own tag (``2 (s m + i)`` for activations,
-``+1`` for gradients), so messages between the same two ranks can't be confused.
+from its rank, or handed over in memory when the previous stage is on the same rank), runs the
+stage and sends the output on with a non-blocking ``isend``. ``B{s}.{i}`` back-propagates the
+stage (from ``loss_i / m`` at the last stage, else from the gradient received from stage ``s+1``)
+and sends the gradient of its input to stage ``s-1``. Sends never block, and a block waits only
+for the messages of its dependencies, so an order the simulator accepts (no deadlock) runs
+without deadlock. Every message has its own tag (``2 (s m + i)`` for activations, ``+1`` for
+gradients), so messages between the same two ranks can't be confused.
+
+Receives are posted ahead: by default every receive of a step at its start
+(``ExecConfig.lookahead=None``; an int ``k`` posts each one ``k`` blocks before the block that
+needs it). Why: gloo's TCP transport is a rendezvous. An ``isend`` whose receive is not yet
+posted only sends a notification; the data leaves when the receiver posts its receive, which
+sends a notification back that the *sender's* gloo thread must wake up to answer. A receive
+posted at the block itself (``lookahead=0``, what this executor did before) therefore costs a
+round trip that waits for the sender's process to be scheduled while it computes, not the
+transfer the simulator models. On the shared 2-core machine (other jobs running, 2026-11-25)
+such late receives waited 3.9-4.7 ms (median) against blocks of 1.5-12 ms: 13-16 ms per step for
+1F1B, greedy and the searched schedule on the linear placement, 17-82 ms on the V-shape, while
+GPipe lost 7 and 0.2 ms (its receivers mostly wait for the message: receive first, no round
+trip). Posted at the step's start, the same waits were 0.02-0.23 ms (one block ahead: 0.02-2.1
+ms, too late when blocks are short). When the receive is posted first, ``isend``
+writes the data at once from the sender's thread. The price is memory: a rank holds a buffer
+for every message of the step from its start (``lookahead`` bounds that).
 
 The gradient is that of ``mean_i loss_i`` = the full batch's mean cross-entropy when micro-batches
 have equal size, so the result matches single-device ``GPT(idx, targets)`` up to rounding.
+
+Calibration (:func:`calibrate`): every rank runs its stages' forward and backward on one
+micro-batch at the same time as the others (a few warm-up, then timed iterations), and each pair
+of ranks whose stages exchange messages ping-pongs one activation; the medians give a
+:class:`Calibration`, whose :meth:`~Calibration.problem` is the pipeline problem in seconds (for
+the simulator's prediction) or in integer units (for the z3 search, which needs integers).
 """
 
 from __future__ import annotations
@@ -25,7 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["GPTStage", "split_gpt", "ExecConfig", "ExecResult", "pipeline_worker",
-           "reference_step", "make_model"]
+           "schedules_worker", "reference_step", "make_model", "measured_problem", "Calibration",
+           "calibrate", "calibrate_worker", "spawn"]
 
 
 class GPTStage(nn.Module):
@@ -75,6 +99,7 @@ class ExecConfig:
     n_head: int = 2
     seed: int = 0
     steps: int = 1         # timed repetitions (the first is also a warm-up when steps > 1)
+    lookahead: int | None = None  # receives posted this many blocks ahead (None: all at once)
 
 
 @dataclass(frozen=True)
@@ -84,6 +109,7 @@ class ExecResult:
     grads: dict                   # parameter name -> gradient, for this rank's stages
     step_seconds: list            # wall time of each step (barrier to barrier)
     block_seconds: dict           # (kind, stage) -> list of measured durations
+    trace: list = ()              # per step: (t0, [(name, begin, compute, end)]), perf_counter
 
 
 def make_model(cfg: ExecConfig):
@@ -111,51 +137,83 @@ def _parse(name: str):
     return kind, int(s), int(i)
 
 
-def pipeline_worker(rank: int, world: int, cfg: ExecConfig) -> ExecResult:
-    """Run ``cfg.orders[rank]`` ``cfg.steps`` times over the default process group."""
-    import torch.distributed as dist
+class _Pipeline:
+    """One rank's share of the staged GPT and its data, and one step of a block order."""
 
-    torch.set_num_threads(1)
-    model, idx, tgt = make_model(cfg)
-    n_stages = len(cfg.stage_devices)
-    stages = split_gpt(model, n_stages)
-    m = cfg.micro_batches
-    if cfg.batch % m:
-        raise ValueError(f"batch {cfg.batch} must split into {m} equal micro-batches")
-    if len(cfg.orders) != world:
-        raise ValueError(f"expected one order per rank ({world}) (got {len(cfg.orders)})")
-    mb = cfg.batch // m
-    xs, ys = idx.split(mb), tgt.split(mb)
-    shape = (mb, cfg.seq, cfg.d_model)
-    mine = {s for s, d in enumerate(cfg.stage_devices) if d == rank}
-    times: dict = {}
-    step_s = []
-    loss_total = None
-    for _ in range(cfg.steps):
-        model.zero_grad(set_to_none=True)
-        inputs, outputs, local, pending = {}, {}, {}, []
-        loss_total = 0.0
-        dist.barrier()
-        t0 = time.perf_counter()
-        for name in cfg.orders[rank]:
+    def __init__(self, rank: int, world: int, cfg: ExecConfig):
+        torch.set_num_threads(1)
+        self.rank, self.world, self.cfg = rank, world, cfg
+        self.model, idx, tgt = make_model(cfg)
+        self.n_stages = len(cfg.stage_devices)
+        self.stages = split_gpt(self.model, self.n_stages)
+        m = cfg.micro_batches
+        if cfg.batch % m:
+            raise ValueError(f"batch {cfg.batch} must split into {m} equal micro-batches")
+        if max(cfg.stage_devices) >= world:
+            raise ValueError(f"stage devices {cfg.stage_devices} need more than {world} ranks")
+        if cfg.lookahead is not None and cfg.lookahead < 0:
+            raise ValueError(f"lookahead: expected None or >= 0 (got {cfg.lookahead})")
+        mb = cfg.batch // m
+        self.xs, self.ys = idx.split(mb), tgt.split(mb)
+        self.shape = (mb, cfg.seq, cfg.d_model)
+        self.mine = {s for s, d in enumerate(cfg.stage_devices) if d == rank}
+
+    def _source(self, kind: str, s: int, i: int):
+        """``(rank, tag)`` of the message block ``kind s.i`` needs, or None (none, or local)."""
+        cfg, m = self.cfg, self.cfg.micro_batches
+        if kind == "F" and s > 0 and cfg.stage_devices[s - 1] != self.rank:
+            return cfg.stage_devices[s - 1], 2 * ((s - 1) * m + i)
+        if kind == "B" and s < self.n_stages - 1 and cfg.stage_devices[s + 1] != self.rank:
+            return cfg.stage_devices[s + 1], 2 * (s * m + i) + 1
+        return None
+
+    def step(self, order, times: dict):
+        """Run ``order`` once: ``(mean loss or None, seconds barrier to barrier, events)`` with
+        events ``(name, begin, compute start, end)`` in ``time.perf_counter`` seconds."""
+        import torch.distributed as dist
+
+        cfg, rank, m, stages = self.cfg, self.rank, self.cfg.micro_batches, self.stages
+        last_stage = self.n_stages - 1
+        parsed = []
+        for name in order:
             kind, s, i = _parse(name)
-            if s not in mine:
+            if s not in self.mine:
                 raise ValueError(f"block {name} is in rank {rank}'s order but stage {s} is on "
                                  f"device {cfg.stage_devices[s]}")
+            parsed.append((name, kind, s, i, self._source(kind, s, i)))
+        self.model.zero_grad(set_to_none=True)
+        inputs, outputs, local, pending, posted = {}, {}, {}, [], {}
+        loss_total = 0.0
+
+        events = []
+        ahead = len(parsed) if cfg.lookahead is None else cfg.lookahead
+        next_post = 0  # blocks before it have their receive posted (if they need one)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for j, (name, kind, s, i, src) in enumerate(parsed):
+            ta = time.perf_counter()
+            while next_post < min(j + ahead + 1, len(parsed)):
+                if parsed[next_post][4] is not None:
+                    peer, tag = parsed[next_post][4]
+                    buf = torch.empty(self.shape)
+                    posted[next_post] = (buf, dist.irecv(buf, src=peer, tag=tag))
+                next_post += 1
+            got = None
+            if src is not None:
+                got, work = posted.pop(j)
+                work.wait()
+            tb = time.perf_counter()  # compute only: waiting for a message is not work
             if kind == "F":
                 if s == 0:
-                    x = xs[i]
-                elif cfg.stage_devices[s - 1] == rank:
+                    x = self.xs[i]
+                elif got is None:
                     x = local.pop(("act", s, i)).detach().requires_grad_()
                 else:
-                    x = torch.empty(shape)
-                    dist.recv(x, src=cfg.stage_devices[s - 1], tag=2 * ((s - 1) * m + i))
-                    x.requires_grad_()
-                tb = time.perf_counter()  # compute only: waiting for a message is not work
+                    x = got.requires_grad_()
                 out = stages[s](x)
                 inputs[s, i] = x
-                if s == n_stages - 1:
-                    out = F.cross_entropy(out.flatten(0, 1), ys[i].flatten()) / m
+                if s == last_stage:
+                    out = F.cross_entropy(out.flatten(0, 1), self.ys[i].flatten()) / m
                     loss_total += float(out.detach())
                 elif cfg.stage_devices[s + 1] == rank:
                     local["act", s + 1, i] = out
@@ -165,17 +223,10 @@ def pipeline_worker(rank: int, world: int, cfg: ExecConfig) -> ExecResult:
                 outputs[s, i] = out
             else:
                 out = outputs.pop((s, i))
-                if s == n_stages - 1:
-                    tb = time.perf_counter()
+                if s == last_stage:
                     out.backward()
                 else:
-                    if cfg.stage_devices[s + 1] == rank:
-                        g = local.pop(("grad", s, i))
-                    else:
-                        g = torch.empty(shape)
-                        dist.recv(g, src=cfg.stage_devices[s + 1], tag=2 * (s * m + i) + 1)
-                    tb = time.perf_counter()
-                    out.backward(g)
+                    out.backward(local.pop(("grad", s, i)) if got is None else got)
                 x = inputs.pop((s, i))
                 if s > 0:
                     if cfg.stage_devices[s - 1] == rank:
@@ -184,18 +235,56 @@ def pipeline_worker(rank: int, world: int, cfg: ExecConfig) -> ExecResult:
                         pending.append(dist.isend(x.grad.contiguous(),
                                                   dst=cfg.stage_devices[s - 1],
                                                   tag=2 * ((s - 1) * m + i) + 1))
-            times.setdefault((kind, s), []).append(time.perf_counter() - tb)
+            te = time.perf_counter()
+            times.setdefault((kind, s), []).append(te - tb)
+            events.append((name, ta, tb, te))
         for w in pending:
             w.wait()
         dist.barrier()
-        step_s.append(time.perf_counter() - t0)
-    names = {id(p): n for n, p in model.named_parameters()}
-    grads = {}
-    for s in mine:
-        for p in stages[s].parameters():
-            grads[names[id(p)]] = p.grad.clone()
-    last = cfg.stage_devices[-1] == rank
-    return ExecResult(rank, loss_total if last else None, grads, step_s, times)
+        seconds = time.perf_counter() - t0
+        return (loss_total if cfg.stage_devices[-1] == rank else None), seconds, (t0, events)
+
+    def grads(self) -> dict:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return {names[id(p)]: p.grad.clone() for s in self.mine
+                for p in self.stages[s].parameters()}
+
+
+def pipeline_worker(rank: int, world: int, cfg: ExecConfig) -> ExecResult:
+    """Run ``cfg.orders[rank]`` ``cfg.steps`` times over the default process group."""
+    if len(cfg.orders) != world:
+        raise ValueError(f"expected one order per rank ({world}) (got {len(cfg.orders)})")
+    pipe = _Pipeline(rank, world, cfg)
+    times: dict = {}
+    step_s, trace, loss = [], [], None
+    for _ in range(cfg.steps):
+        loss, sec, events = pipe.step(cfg.orders[rank], times)
+        step_s.append(sec)
+        trace.append(events)
+    return ExecResult(rank, loss, pipe.grads(), step_s, times, trace)
+
+
+def schedules_worker(rank: int, world: int, cfg: ExecConfig, named_orders) -> dict:
+    """Several schedules on the same workers, in turns: ``cfg.steps`` rounds, each running one
+    step of every schedule of ``named_orders`` (``((name, orders), ...)``), so that they share
+    the machine's conditions (load, frequency) instead of each its own run. Returns
+    ``{name: ExecResult}`` (gradients of each schedule's last step)."""
+    pipe = _Pipeline(rank, world, cfg)
+    state = {name: ({}, [], [], None, None) for name, _ in named_orders}
+    for name, orders in named_orders:
+        if len(orders) != world:
+            raise ValueError(f"{name}: expected one order per rank ({world}) (got "
+                             f"{len(orders)})")
+    for k in range(cfg.steps):
+        for name, orders in named_orders:
+            times, step_s, trace, _, _ = state[name]
+            loss, sec, events = pipe.step(orders[rank], times)
+            step_s.append(sec)
+            trace.append(events)
+            state[name] = (times, step_s, trace, loss,
+                           pipe.grads() if k == cfg.steps - 1 else None)
+    return {name: ExecResult(rank, loss, grads, step_s, times, trace)
+            for name, (times, step_s, trace, loss, grads) in state.items()}
 
 
 def measured_problem(results, cfg: ExecConfig, *, resolution: float = 1e-4):
@@ -214,6 +303,118 @@ def measured_problem(results, cfg: ExecConfig, *, resolution: float = 1e-4):
     b = [max(resolution, statistics.median(per["B", s])) for s in range(n)]
     return pipeline_problem(list(cfg.stage_devices), micro_batches=cfg.micro_batches,
                             forward=f, backward=b)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured costs of a staged GPT on its workers: per stage the median forward and backward
+    seconds of one micro-batch, and ``comm``, the median one-way seconds of one activation (or
+    gradient: the same shape) between two ranks, from a ping-pong (0 when no two stages on
+    different ranks exchange messages). ``samples`` keeps every timed value under ``("F", s)``,
+    ``("B", s)`` and ``("comm", a, b)``."""
+
+    stage_devices: tuple
+    micro_batches: int
+    forward: tuple
+    backward: tuple
+    comm: float
+    samples: dict
+
+    def unit(self, steps: int = 10) -> float:
+        """Seconds per integer time unit for the solvers: the shortest block is ``steps``
+        units, so rounding moves a block by at most ``1 / (2 steps)`` of the shortest one."""
+        return min(self.forward + self.backward) / steps
+
+    def problem(self, *, memory_limit=None, unit: float | None = None, activation=1.0):
+        """The pipeline problem of these costs (``pipeline_problem``): in seconds when ``unit``
+        is None (for the simulator's prediction), else in integer multiples of ``unit``
+        seconds (each block at least 1) for the solvers of :mod:`ngra.schedule.search`."""
+        from .placements import pipeline_problem
+
+        f, b, c = list(self.forward), list(self.backward), self.comm
+        if unit is not None:
+            if not unit > 0:
+                raise ValueError(f"unit: expected seconds > 0 (got {unit!r})")
+            f = [max(1, round(x / unit)) for x in f]
+            b = [max(1, round(x / unit)) for x in b]
+            c = round(c / unit)
+        return pipeline_problem(list(self.stage_devices), micro_batches=self.micro_batches,
+                                forward=f, backward=b, activation=activation,
+                                memory_limit=memory_limit, comm_delay=c)
+
+
+def calibrate_worker(rank: int, world: int, cfg: ExecConfig, warmup: int = 3,
+                     iters: int = 10) -> dict:
+    """This rank's samples for :func:`calibrate`: its stages' forward and backward on one
+    micro-batch, ``warmup`` + ``iters`` times with every rank busy at once (as in a pipeline),
+    then a ping-pong of one activation with every other rank its stages exchange messages with
+    (lower rank starts; the others wait)."""
+    import torch.distributed as dist
+
+    if warmup < 0 or iters < 1:
+        raise ValueError(f"expected warmup >= 0 and iters >= 1 (got {warmup}, {iters})")
+    pipe = _Pipeline(rank, world, cfg)
+    m, last = cfg.micro_batches, pipe.n_stages - 1
+    mine = sorted(pipe.mine)
+    gen = torch.Generator().manual_seed(cfg.seed + 2 + rank)
+    samples: dict = {}
+    for it in range(warmup + iters):
+        dist.barrier()
+        outs, took = {}, {}
+        for s in mine:
+            x = pipe.xs[0] if s == 0 else torch.randn(pipe.shape, generator=gen).requires_grad_()
+            t = time.perf_counter()
+            out = pipe.stages[s](x)
+            if s == last:
+                out = F.cross_entropy(out.flatten(0, 1), pipe.ys[0].flatten()) / m
+            took["F", s] = time.perf_counter() - t
+            outs[s] = out
+        for s in reversed(mine):
+            grad = None if s == last else torch.randn(pipe.shape, generator=gen)
+            t = time.perf_counter()
+            outs[s].backward(grad)
+            took["B", s] = time.perf_counter() - t
+        if it >= warmup:
+            for k, v in took.items():
+                samples.setdefault(k, []).append(v)
+    pipe.model.zero_grad(set_to_none=True)
+    devs = cfg.stage_devices
+    pairs = sorted({tuple(sorted((devs[s], devs[s + 1]))) for s in range(len(devs) - 1)
+                    if devs[s] != devs[s + 1]})
+    buf, back = torch.randn(pipe.shape, generator=gen), torch.empty(pipe.shape)
+    for a, b in pairs:
+        for it in range(warmup + iters):
+            dist.barrier()
+            if rank == a:
+                t = time.perf_counter()
+                dist.send(buf, dst=b, tag=it)
+                dist.recv(back, src=b, tag=it)
+                if it >= warmup:
+                    samples.setdefault(("comm", a, b), []).append((time.perf_counter() - t) / 2)
+            elif rank == b:
+                dist.recv(back, src=a, tag=it)
+                dist.send(buf, dst=a, tag=it)
+    dist.barrier()
+    return samples
+
+
+def calibrate(cfg: ExecConfig, world: int, *, warmup: int = 3, iters: int = 10,
+              timeout: float = 120.0) -> Calibration:
+    """Measure ``cfg``'s stages (placed by ``cfg.stage_devices``) on ``world`` gloo workers:
+    medians of :func:`calibrate_worker`'s samples (``cfg.orders`` is not used)."""
+    import statistics
+
+    results = spawn(calibrate_worker, world, cfg, warmup, iters, timeout=timeout)
+    samples: dict = {}
+    for r in results:
+        for k, v in r.items():
+            samples.setdefault(k, []).extend(v)
+    n = len(cfg.stage_devices)
+    f = tuple(statistics.median(samples["F", s]) for s in range(n))
+    b = tuple(statistics.median(samples["B", s]) for s in range(n))
+    comm = [v for k, v in samples.items() if k[0] == "comm"]
+    c = statistics.median([x for v in comm for x in v]) if comm else 0.0
+    return Calibration(tuple(cfg.stage_devices), cfg.micro_batches, f, b, c, samples)
 
 
 def spawn(fn, world: int, *args, timeout: float = 300.0) -> list:
