@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/adama.py                # char GPT + GCN, N = 1, 4, 8 (minutes)
     .venv/bin/python benchmarks/adama.py --quick        # tiny sizes, a smoke run
     .venv/bin/python benchmarks/adama.py --plot adama.png
+    .venv/bin/python benchmarks/adama.py --tasks gpt --micro 8 --steps 300 \
+        --sweep 3.75e-4,7.5e-4,1.5e-3,3e-3,6e-3,1.2e-2 --seeds 0,1,2   # each at its best lr
 
 Two tasks, each trained with the same global batch split into N micro-batches (N = ``--micro``,
 default 1, 4, 8), with ``torch.optim.Adam`` + gradient accumulation (``(loss / N).backward()``
@@ -32,6 +34,18 @@ Measured, side by side in one run:
   N = max(``--micro``) stays under ``--limit-mib`` (default: Adam + accumulation's peak at
   ``--d-model``, so Adam's answer is about the base width and the question is how much wider
   AdamA goes).
+
+With ``--sweep LR,LR,...`` the script measures convergence only, at the one N of ``--micro``: every
+method is trained at every learning rate with the first of ``--seeds`` (same initial weights and
+batches for all), then at its best learning rate (lowest final validation loss) with the other
+seeds; it prints the validation loss per method and learning rate, each method's best with its
+mean and spread over the seeds, and the best-vs-best differences (per seed, paired: same weights
+and batches). AdamA's two forms and Adam + accumulation take steps of different sizes at the same
+learning rate (``ngra/optim/adama.py``), so comparing them at one learning rate tuned for Adam
+measures mostly the step size; best against best is the fair comparison. It also prints, for Adam
++ accumulation at its best learning rate (first seed), at the start and at the end, how much
+larger AdamA's v increment is than Adam's, ``N sum_i g_i^2 / (sum_i g_i)^2`` per element (1
+where the micro-batch gradients agree, about N where their noise dominates).
 
 Only the ratios within one run mean anything on a shared machine.
 """
@@ -237,6 +251,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     ap.add_argument("--plot", help="write loss curves and memory bars to this image file")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sweep", default=None, metavar="LR,LR,...",
+                    help="learning rates: convergence only, each method at its best of them "
+                         "(gpt or gcn, one N in --micro; see the module doc)")
+    ap.add_argument("--seeds", default="0,1,2",
+                    help="--sweep: seeds (the first for the sweep, all at each best lr)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.d_model, args.n_layer, args.block, args.batch = 4, 32, 1, 16, 8
@@ -251,6 +270,16 @@ def main(argv=None):
     if any(n < 1 or args.batch % n for n in micro):
         ap.error(f"--micro: every N must be >= 1 and divide --batch {args.batch} (got {micro})")
     device = torch.device(args.device)
+    if args.sweep is not None:
+        try:
+            lrs = [float(v) for v in args.sweep.split(",") if v]
+            seeds = [int(v) for v in args.seeds.split(",") if v]
+        except ValueError as e:
+            ap.error(f"--sweep / --seeds: expected comma-separated numbers ({e})")
+        if not lrs or not seeds or any(lr <= 0 for lr in lrs) or len(micro) != 1:
+            ap.error(f"--sweep: expected learning rates > 0, at least one seed and one N in "
+                     f"--micro (got {args.sweep!r}, seeds {args.seeds!r}, --micro {args.micro!r})")
+        return sweep(args, tasks, lrs, seeds, micro[0], device)
     from tqdm import tqdm
 
     results, curves = {}, {}
@@ -289,6 +318,88 @@ def main(argv=None):
         plot(args.plot, results, curves, tasks, micro)
         print(f"wrote {args.plot}")
     return results, widest
+
+
+def sweep(args, tasks, lrs, seeds, n, device):
+    """Each method at each learning rate (first seed), then at its best with every seed."""
+    import math
+
+    from tqdm import tqdm
+
+    out = {}
+    for tname in tasks:
+        task = GPTTask(args) if tname == "gpt" else GCNTask(args)
+        steps = args.steps if tname == "gpt" else args.gcn_steps
+        val = {}  # (method, lr, seed) -> final validation loss
+        noise = {}  # lr -> [noise_ratio at the start, at the end] of adam+acc, first seed
+
+        def train(m, lr, seed):
+            with torch.device(device):
+                run = Run(task, m, n, seed, lr)
+            if m == "adam+acc" and seed == seeds[0]:
+                noise[lr] = [noise_ratio(task, run.model, next(task.batches(seed + 3)), n)]
+            for _ in range(steps):
+                run.step()
+            val[m, lr, seed] = task.val_loss(run.model)
+            if m == "adam+acc" and seed == seeds[0]:
+                noise[lr].append(noise_ratio(task, run.model, next(task.batches(seed + 3)), n))
+            if not math.isfinite(val[m, lr, seed]):
+                val[m, lr, seed] = math.inf  # diverged: never the best
+
+        first = [(m, lr) for m in METHODS for lr in lrs]
+        for m, lr in tqdm(first, desc=f"{tname} sweep (seed {seeds[0]})", leave=False):
+            train(m, lr, seeds[0])
+        best = {m: min(lrs, key=lambda lr: val[m, lr, seeds[0]]) for m in METHODS}
+        more = [(m, best[m], s) for m in METHODS for s in seeds[1:]]
+        for m, lr, s in tqdm(more, desc=f"{tname} best lr, more seeds", leave=False):
+            train(m, lr, s)
+        print(f"\n{tname}: learning-rate sweep, N = {n}, {steps} steps, final validation loss "
+              f"(seed {seeds[0]}; * = the method's best)")
+        print(f"{'lr':>9} | " + " | ".join(f"{m:>10}" for m in METHODS))
+        for lr in lrs:
+            print(f"{lr:>9.3g} | " + " | ".join(
+                f"{val[m, lr, seeds[0]]:>9.4f}{'*' if best[m] == lr else ' '}" for m in METHODS))
+        print(f"each at its best lr, seeds {','.join(map(str, seeds))}:")
+        stats = {}
+        for m in METHODS:
+            vs = [val[m, best[m], s] for s in seeds]
+            mean = statistics.fmean(vs)
+            sd = statistics.stdev(vs) if len(vs) > 1 else math.nan
+            stats[m] = (best[m], vs, mean, sd)
+            print(f"  {m:<10} lr {best[m]:<8.3g} val " + " ".join(f"{v:.4f}" for v in vs) +
+                  (f"  mean {mean:.4f}, std {sd:.4f}, range {max(vs) - min(vs):.4f}"
+                   if len(vs) > 1 else ""))
+        ref = stats["adam+acc"]
+        for when, r in zip(("start", "end"), noise[best["adam+acc"]]):
+            print(f"  v increment, N sum g_i^2 / (sum g_i)^2 per element, adam+acc at its best lr, "
+                  f"{when}: quartiles {r[0]:.2f} {r[1]:.2f} {r[2]:.2f}, over all elements "
+                  f"{r[3]:.2f} (1: the micro-batches agree; about N = {n}: noise dominates)")
+        for m in METHODS[1:]:
+            diffs = [a - b for a, b in zip(stats[m][1], ref[1])]
+            print(f"  {m} - adam+acc, best vs best: mean {statistics.fmean(diffs):+.4f} nats "
+                  f"(per seed " + " ".join(f"{d:+.4f}" for d in diffs) + ")" +
+                  (f"; adam+acc's seed std {ref[3]:.4f}" if len(seeds) > 1 else ""))
+        out[tname] = {"val": {f"{m} {lr:g} {s}": v for (m, lr, s), v in val.items()},
+                      "best": {m: st[0] for m, st in stats.items()}}
+    return out
+
+
+def noise_ratio(task, model, batch, n):
+    """How much AdamA's v increment exceeds Adam + accumulation's at these weights on this batch:
+    ``N sum_i g_i^2 / (sum_i g_i)^2`` per element ("mean" form; "sum" is 1/N of it), as
+    quartiles over the elements and as the ratio of the sums over all elements."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [torch.autograd.grad(loss / n, params) for loss in task.micro_losses(model, batch, n)]
+    num, den, ratios = 0.0, 0.0, []
+    for j in range(len(params)):
+        g = torch.stack([gi[j] for gi in grads]).double()
+        s2, big = n * g.square().sum(0), g.sum(0).square()
+        num, den = num + s2.sum().item(), den + big.sum().item()
+        keep = big > 0
+        ratios.append((s2[keep] / big[keep]).flatten())
+    q = torch.quantile(torch.cat(ratios)[:2 ** 24], torch.tensor([0.25, 0.5, 0.75],
+                                                                 dtype=torch.float64))
+    return (*q.tolist(), num / den)
 
 
 def print_table(tname, task, results, micro, args):

@@ -50,6 +50,37 @@ def test_adama_benchmark_tiny(tmp_path):
     assert plot.stat().st_size > 10_000
 
 
+def test_adama_benchmark_sweep_tiny():
+    # Each method at each learning rate with the first seed, then at its best with the others;
+    # the best-vs-best lines and the v-increment ratio of Adam + accumulation are printed.
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--tasks", "gpt", "--micro", "4",
+                          "--sweep", "1e-3,3e-3", "--seeds", "0,1"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = res.stdout
+    rows = re.findall(r"^ *(0\.00[13]) \| *[\d.]+([* ]) \| *[\d.]+([* ]) \| *[\d.]+([* ])$",
+                      out, re.M)
+    assert [r[0] for r in rows] == ["0.001", "0.003"], out
+    for j in (1, 2, 3):  # one best learning rate per method
+        assert sorted(r[j] for r in rows) == [" ", "*"], out
+    for m in ("adam+acc", "adama-mean", "adama-sum"):
+        vals = re.search(rf"^  {re.escape(m)} +lr [\d.e-]+ +val ([\d.]+) ([\d.]+)  mean ", out, re.M)
+        assert vals, out
+    for m in ("adama-mean", "adama-sum"):
+        assert re.search(rf"{m} - adam\+acc, best vs best: mean [+-]\d\.\d{{4}} nats \(per seed "
+                         r"[+-]\d\.\d{4} [+-]\d\.\d{4}\); adam\+acc's seed std \d\.\d{4}", out), out
+    ratios = re.findall(r"per element, adam\+acc at its best lr, (start|end): quartiles "
+                        r"([\d.]+) ([\d.]+) ([\d.]+), over all elements ([\d.]+)", out)
+    assert [r[0] for r in ratios] == ["start", "end"], out
+    assert all(1.0 <= float(q) for r in ratios for q in r[1:]), ratios  # N sum g^2 >= (sum g)^2
+
+
+def test_bad_sweep_is_a_usage_error():
+    res = subprocess.run([sys.executable, str(SCRIPT), "--sweep", "1e-3", "--micro", "4,8"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 2 and "one N in --micro" in res.stderr
+
+
 def test_bad_micro_batch_count_is_a_usage_error():
     res = subprocess.run([sys.executable, str(SCRIPT), "--micro", "3", "--batch", "8"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
