@@ -82,10 +82,10 @@ def dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
 # -- edge dropout: the IR's mask (ngra.executor.edge_dropout), rows named by edge ids -----------
 
 @njit(parallel=True, cache=True, nogil=True)
-def _edge_dropout_kernel(x, out, ids, state, threshold, scale):
+def _edge_dropout_kernel(x, out, ids, by_row, state, threshold, scale):
     rows, width = x.shape
     for r in prange(rows):
-        base = np.uint64(ids[r]) * np.uint64(width)
+        base = (np.uint64(r) if by_row else np.uint64(ids[r])) * np.uint64(width)
         for j in range(width):
             if _keep(state, base + np.uint64(j), threshold):
                 out[r, j] = x[r, j] * scale
@@ -93,21 +93,24 @@ def _edge_dropout_kernel(x, out, ids, state, threshold, scale):
                 out[r, j] = x[r, j] * 0.0
 
 
-def _edge_apply(x: torch.Tensor, ids: torch.Tensor, state: int, threshold: int,
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
+
+def _edge_apply(x: torch.Tensor, ids: torch.Tensor | None, state: int, threshold: int,
                 scale: float) -> torch.Tensor:
     xc = x.detach().contiguous()
     out = _CACHE.empty(tuple(xc.shape), xc.dtype)
     rows = xc.shape[0]
     _edge_dropout_kernel(xc.numpy().reshape(rows, -1), out.numpy().reshape(rows, -1),
-                         ids.numpy(), np.uint64(state), np.uint64(threshold),
-                         _scalar(scale, xc.dtype))
+                         _NO_IDS if ids is None else ids.numpy(), ids is None, np.uint64(state),
+                         np.uint64(threshold), _scalar(scale, xc.dtype))
     return out
 
 
 class _EdgeDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ids, state, threshold, scale):
-        ctx.save_for_backward(ids)
+        ctx.save_for_backward(ids)  # None for rows 0..R-1: nothing [R] kept until backward
         ctx.args = (state, threshold, scale)
         return _edge_apply(x, ids, state, threshold, scale)
 
@@ -117,12 +120,14 @@ class _EdgeDropout(torch.autograd.Function):
         return _edge_apply(grad, ids, *ctx.args), None, None, None, None
 
 
-def edge_dropout(x: torch.Tensor, ids: torch.Tensor, state: int, threshold: int,
+def edge_dropout(x: torch.Tensor, ids: torch.Tensor | None, state: int, threshold: int,
                  scale: float) -> torch.Tensor:
     """``x`` [R, ...] with element j of row r kept (times ``scale``) iff the top 24 bits of
     ``splitmix64(state + (ids[r] * width + j) * golden)`` are below ``threshold`` (``width`` the
     elements per row): the mask of ``ngra.executor.edge_dropout``, computed per element in
     parallel instead of through int64 temporaries of x's size, and recomputed in backward.
-    ``state`` is the mixed seed as an unsigned 64-bit int; ``ids`` int64 [R], non-negative."""
-    return _EdgeDropout.apply(x, ids.contiguous(), int(state), int(threshold), float(scale))
+    ``state`` is the mixed seed as an unsigned 64-bit int; ``ids`` int64 [R], non-negative, or
+    None for ``ids[r] = r`` (no id array is made or saved)."""
+    return _EdgeDropout.apply(x, None if ids is None else ids.contiguous(), int(state),
+                              int(threshold), float(scale))
 
