@@ -126,9 +126,16 @@ class _GSpMM(torch.autograd.Function):
         ctx.mod, ctx.binop, ctx.reduce = mod, binop, reduce
         ctx.fu, ctx.fe = _feat(u), _feat(e)
         if not need_arg:
+            # Only the operands backward reads are saved (a sum's gradients read u only for the
+            # gradient of e of a product, e only for a product's or quotient's): saving u of a
+            # copy_u kept a whole [N, F] input alive until backward for nothing.
+            need_u, need_e = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
+            keep_u = u if need_e and binop in ("mul", "div") else None
+            keep_e = e if (need_u and binop in ("mul", "div")) or (need_e and binop == "div") \
+                else None
             # Saved before the kernel runs: when this call is recomputed under non-reentrant
             # activation checkpointing, the recomputation can stop here without redoing it.
-            _keep_csr(ctx, csr, u, e, None)
+            _keep_csr(ctx, csr, keep_u, keep_e, None)
             return mod.spmm(csr, binop, reduce, u, e, need_arg=False)[0]
         out, arg = mod.spmm(csr, binop, reduce, u, e, need_arg=True)
         _keep_csr(ctx, csr, u, e, arg)
@@ -148,13 +155,13 @@ class _GSpMM(torch.autograd.Function):
                 deg = csr.in_degrees().clamp(min=1).to(g.dtype)
                 g = g / deg.view((-1,) + (1,) * (g.dim() - 1))
             if (need_u and need_e and binop == "mul" and hasattr(mod, "spmm_mul_grads")
-                    and math.prod(ctx.fe) == 1 and tuple(u.shape[1:]) == tuple(g.shape[1:])):
+                    and math.prod(ctx.fe) == 1 and ctx.fu == tuple(g.shape[1:])):
                 # one weight per edge (GCN-style edge weights being learned): both gradients
                 # from one pass over the transposed CSR (numba backend)
                 gu, ge = mod.spmm_mul_grads(csr, g, u, e)
             else:
                 gu = _spmm_sum_grad_u(csr, mod, binop, g, e) if need_u else None
-                ge = _spmm_sum_grad_e(csr, mod, binop, g, u, e) if need_e else None
+                ge = _spmm_sum_grad_e(csr, mod, binop, g, u, e, ctx.fu, ctx.fe) if need_e else None
         gu = reduce_to(gu, ctx.fu) if gu is not None else None
         ge = reduce_to(ge, ctx.fe) if ge is not None else None
         if ge is not None and binop == "div" and reduce not in ("max", "min"):
@@ -172,10 +179,11 @@ def _spmm_sum_grad_u(csr, mod, binop, g, e):
     return mod.spmm(t, binop, "sum", g, e)[0]  # mul: g * e ; div: g / e
 
 
-def _spmm_sum_grad_e(csr, mod, binop, g, u, e):
+def _spmm_sum_grad_e(csr, mod, binop, g, u, e, fu, fe):
     """d out / d e for sum, per edge k = (s -> v), before reducing broadcast dims (for div the
-    caller still multiplies by -1/e^2)."""
-    fu, fe, fo = _feat(u), _feat(e), tuple(g.shape[1:])
+    caller still multiplies by -1/e^2). ``fu``, ``fe``: the operands' trailing shapes (``u`` and
+    ``e`` are None where the gradient does not read them)."""
+    fo = tuple(g.shape[1:])
     if binop in ("copy_rhs", "add", "sub"):
         # each edge's gradient is its destination's g row, summed over the dims e is broadcast
         # along: sum per destination first, so a weight per edge gets [E, 1], not [E, F] first
@@ -227,7 +235,11 @@ class _GSDDMM(torch.autograd.Function):
     def forward(ctx, csr, mod, binop, lt, rt, lhs, rhs):
         out = mod.sddmm(csr, binop, lhs, lt, rhs, rt)
         ctx.mod, ctx.binop, ctx.lt, ctx.rt = mod, binop, lt, rt
-        _keep_csr(ctx, csr, lhs, rhs)
+        ctx.fl, ctx.fr = _feat(lhs), _feat(rhs)
+        # a product's gradient reads the other operand; a sum's or a copy's neither
+        product = binop in ("mul", "dot")
+        _keep_csr(ctx, csr, lhs if product and ctx.needs_input_grad[6] else None,
+                  rhs if product and ctx.needs_input_grad[5] else None)
         return out
 
     @staticmethod
@@ -239,10 +251,10 @@ class _GSDDMM(torch.autograd.Function):
         gl = gr = None
         if ctx.needs_input_grad[5]:
             gl = _sddmm_grad(csr, mod, binop, g, lt, rhs, rt, sign=1)
-            gl = reduce_to(gl, _feat(lhs))
+            gl = reduce_to(gl, ctx.fl)
         if ctx.needs_input_grad[6]:
             gr = _sddmm_grad(csr, mod, binop, g, rt, lhs, lt, sign=-1 if binop == "sub" else 1)
-            gr = reduce_to(gr, _feat(rhs))
+            gr = reduce_to(gr, ctx.fr)
         return None, None, None, None, None, gl, gr
 
 

@@ -96,9 +96,10 @@ class CSR:
         if index_dtype == torch.int32 and max(num_src, src.numel()) > _INT32_MAX:
             raise ValueError(f"index_dtype torch.int32 cannot hold {max(num_src, src.numel())} "
                              f"vertices or edges (at most {_INT32_MAX}); use torch.int64")
-        dst64 = dst.to(torch.int64)
-        order = torch.sort(dst64, stable=True).indices
-        counts = torch.bincount(dst64, minlength=num_dst)
+        # int32 ids sort as they are: an int64 copy would only add E x 8 bytes to the peak
+        key = dst if dst.dtype in (torch.int32, torch.int64) else dst.to(torch.int64)
+        order = torch.sort(key, stable=True).indices
+        counts = torch.bincount(key, minlength=num_dst)
         indptr = torch.zeros(num_dst + 1, dtype=torch.int64, device=src.device)
         torch.cumsum(counts, 0, out=indptr[1:])
         indices = src.index_select(0, order).to(index_dtype)
@@ -146,15 +147,21 @@ class CSR:
     def transpose(self) -> "CSR":
         """The same edges grouped by source (rows = sources), keeping original edge ids; cached."""
         if self._transpose is None:
-            src = self.indices.to(torch.int64)
-            dst = self.dst_ids()
-            eids = self.eids.to(torch.int64)
-            # Re-sort by original edge id first so the transposed rows are also in edge-id order.
-            by_eid = torch.empty_like(eids)
-            by_eid[eids] = torch.arange(eids.numel(), device=self.device)
-            src_e, dst_e = src[by_eid], dst[by_eid]
-            t = CSR._from_coo(dst_e, src_e, (self.num_dst, self.num_src),
-                              index_dtype=self.index_dtype, check=False)
+            # Each edge's source and destination in original edge order, so that the stable sort
+            # by source leaves every transposed row in edge-id order. Built in the index dtype
+            # and without caching dst_ids(): int64 copies of the edges here were most of a
+            # training run's peak memory on its first backward.
+            idx = self.index_dtype
+            dst_dtype = idx if self.num_dst <= _INT32_MAX else torch.int64
+            dst = torch.repeat_interleave(
+                torch.arange(self.num_dst, dtype=dst_dtype, device=self.device), self.in_degrees())
+            src_e = torch.empty_like(self.indices)
+            src_e[self.eids] = self.indices
+            dst_e = torch.empty_like(dst)
+            dst_e[self.eids] = dst
+            del dst
+            t = CSR._from_coo(dst_e, src_e, (self.num_dst, self.num_src), index_dtype=idx,
+                              check=False)
             t._transpose = self
             t.blocking = self.blocking
             self._transpose = t
