@@ -353,8 +353,9 @@ def sweep(args, tasks, lrs, seeds, n, device):
         more = [(m, best[m], s) for m in METHODS for s in seeds[1:]]
         for m, lr, s in tqdm(more, desc=f"{tname} best lr, more seeds", leave=False):
             train(m, lr, s)
-        print(f"\n{tname}: learning-rate sweep, N = {n}, {steps} steps, final validation loss "
-              f"(seed {seeds[0]}; * = the method's best)")
+        what = f" on {task.ds.name}" if tname == "gcn" else ""
+        print(f"\n{tname}{what}: learning-rate sweep, N = {n}, {steps} steps, final validation "
+              f"loss (seed {seeds[0]}; * = the method's best)")
         print(f"{'lr':>9} | " + " | ".join(f"{m:>10}" for m in METHODS))
         for lr in lrs:
             print(f"{lr:>9.3g} | " + " | ".join(

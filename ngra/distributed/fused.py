@@ -55,7 +55,10 @@ FusedAdam's own temporaries are the receive buffer of each reduce-scatter in fli
 bucket with a native reduce-scatter; the whole bucket with the ``all_to_all`` emulation) and the
 tails. ``"own"`` (the fallback with ``gradient_as_bucket_view=True``, where ``.grad`` *is* the
 bucket buffer) allocates the ``[K, W]`` buffer: about the model's size more at the end of
-backward (measured in benchmarks/fused_comm.py). In both, buffers that gloo allocates inside its
+backward. Measured (benchmarks/README.md, GPT of 10.7 M parameters, 2 ranks): optimizer state
+plus the peak of the tensors a step creates, per rank, 160.0 MiB for DDP + Adam, 119.1 with
+``"bucket"`` (the whole 40.9 MiB of state saved), 147.2 with ``"own"``, and 165.9 before either
+(send, receive and all-gather buffers per bucket). Buffers that gloo allocates inside its
 collectives (on its own threads) are not counted.
 
 Parameters without a gradient: parameters with ``requires_grad=False`` are not in DDP's buckets

@@ -29,23 +29,52 @@ In expectation, for unscaled micro-batch gradients ``d_i = N g_i = grad(loss_i)`
 independently with mean ``mu`` and variance ``s2`` per coordinate: Adam + accumulation adds
 ``E[G^2] = mu^2 + s2/N`` per step (s2/N is the noise of the mean), AdamA adds ``E[sum_i g_i^2] =
 (mu^2 + s2) / N``. The two agree when the micro-batch gradients are noise-dominated (``mu^2 <<
-s2``, the usual case for small micro-batches); when they agree with each other (``s2 = 0``, e.g.
-N copies of one micro-batch) AdamA's v is N times smaller and its step up to ``sqrt(N)`` times
-larger (less where ``eps`` matters). For N = 1 AdamA is Adam.
+s2``, as late in training on the GPT measured below); when they agree with each other (``s2 =
+0``, e.g. N copies of one micro-batch) AdamA's v is N times smaller and its step up to
+``sqrt(N)`` times larger (less where ``eps`` matters). For N = 1 AdamA is Adam.
 
 ``second_moment="mean"`` folds ``N sum_i g_i^2 = mean_i d_i^2`` (expectation ``mu^2 + s2``)
 instead, the squared gradient of one micro-batch (as in "Batch size invariant Adam", Wang and
 Aitchison 2024): equal to Adam + accumulation when the micro-batches agree, up to N times larger
 than its v when noise dominates (smaller steps).
 
-Since ``v_mean = N v_sum`` step by step, ``"sum"`` with learning rate ``lr`` takes exactly the
-steps of ``"mean"`` with ``lr / sqrt(N)`` (apart from ``eps``): the choice is how a learning
-rate tuned for Adam carries over. With ``"mean"`` (``N sum_i g_i^2 >= G^2`` by Cauchy-Schwarz)
-a step's contribution to v is never below Adam + accumulation's, so its steps are never larger;
-with ``"sum"`` they may be up to ``sqrt(N)`` times larger. Measured (``benchmarks/adama.py``,
-N = 8, lr 3e-3 tuned for Adam): on a char GPT both forms trailed Adam + accumulation (final
-validation loss +0.20 nats for "mean", +0.29 for "sum" after 400 steps); on a GCN on Cora,
-"sum" was ahead (-0.27 nats after 30 steps) and "mean" behind (+0.27).
+Since ``v_mean = N v_sum`` step by step, ``"sum"`` with ``(lr, eps)`` takes exactly the steps of
+``"mean"`` with ``(lr sqrt(N), eps sqrt(N))`` (tested): the choice is how a learning rate tuned
+for Adam carries over. With ``"mean"`` (``N sum_i g_i^2 >= G^2`` by Cauchy-Schwarz) a step's
+contribution to v is never below Adam + accumulation's, so its steps are never larger; with
+``"sum"`` they may be up to ``sqrt(N)`` times larger.
+
+Neither form is Adam + accumulation at another learning rate: per element, the ratio of AdamA's v
+increment to Adam's, ``N sum_i g_i^2 / G^2`` (1 when the micro-batches agree, about N when their
+noise dominates), differs between elements and drifts during training. Written with the
+per-example gradient variance ``s1`` and a global batch of B examples, Adam + accumulation's v
+estimates ``mu^2 + s1 / B`` and ``"mean"``'s ``mu^2 + s1 N / B``: the second moment of a batch of
+B / N, the micro-batch (the batch size invariance of Wang and Aitchison). Elements whose
+gradient is mostly noise get relatively smaller steps than under Adam, by up to ``sqrt(N)``, and
+no single learning rate undoes that reweighting.
+
+Measured (``benchmarks/adama.py --tasks gpt --micro 8 --steps 300 --sweep ...``; char GPT,
+d_model 128, batch 32 x 64, N = 8, so micro-batches of 4 sequences; learning rates 3.75e-4 to
+1.2e-2 by factors of 2, then 3 seeds at each method's best; see benchmarks/README.md):
+
+- at one learning rate the gap is mostly step size: at 3e-3, +0.14 nats ("mean") and +0.28
+  ("sum") in final validation loss; at 1.5e-3, +0.10 and +0.18 (seed 0);
+- each at its best (Adam + accumulation 1.5e-3, "mean" 1.5e-3, "sum" 7.5e-4, the same as "mean"
+  at 2.1e-3), over 3 seeds: Adam + accumulation 2.173 (seed std 0.025), "sum" +0.060 nats,
+  "mean" +0.090, AdamA behind on every seed (paired: same weights and batches). So AdamA
+  converges a little more slowly than Adam + accumulation on this task even when tuned: 2.4
+  and 3.6 seed standard deviations, not within noise;
+- the ratio ``N sum_i g_i^2 / G^2`` (Adam + accumulation's weights, median over elements) is 2.3
+  at the start and 8.5 after 300 steps: the micro-batch gradients mostly agree early and are
+  noise-dominated later, so "sum" steps up to ``sqrt(8)`` times larger than Adam's early and
+  "mean" about ``sqrt(8)`` times smaller late;
+- a plain-torch reference of the update on this GPT (tests/ngra/optim/test_adama.py) matches
+  AdamA to 1e-10 with weight decay (L2 and AdamW) and amsgrad: the gap is the definition, not a
+  bug in the bias correction, the 1/N scaling or the hooks;
+- on a GCN on Cora (30 steps, N = 8, micro-batches of disjoint training vertices, dropout), whose
+  micro-batch gradients are noise-dominated from the start (median ratio 8.0), AdamA tuned is
+  as good or a little better: "mean" -0.037 nats (every seed), "sum" -0.015 (mixed), against a
+  seed std of 0.010.
 
 Where the 1/N loss scaling enters: m is linear and v quadratic in the g_i, so scaling every g_i
 by a common c scales m by c and sqrt(v) by c, and the update m / sqrt(v) does not change (apart
