@@ -121,20 +121,24 @@ class CSR:
     def dst_ids(self) -> torch.Tensor:
         """Destination vertex of each CSR position [E] (int64), cached."""
         if self._dst_ids is None:
-            counts = self.indptr[1:] - self.indptr[:-1]
-            self._dst_ids = torch.repeat_interleave(
-                torch.arange(self.num_dst, device=self.device), counts
-            )
+            self._dst_ids = self._position_rows(torch.int64)
         return self._dst_ids
 
+    def _position_rows(self, dtype: torch.dtype) -> torch.Tensor:
+        """Destination vertex of each CSR position [E] in ``dtype``, not cached."""
+        return torch.repeat_interleave(torch.arange(self.num_dst, dtype=dtype, device=self.device),
+                                       self.in_degrees())
+
     def coo(self):
-        """``(src, dst)`` [E] int64 in ORIGINAL edge order (edge k is ``src[k] -> dst[k]``), cached."""
+        """``(src, dst)`` [E] int64 in ORIGINAL edge order (edge k is ``src[k] -> dst[k]``), cached
+        (without caching ``dst_ids()`` on the way: E x 8 bytes more than the pair itself)."""
         if self._coo is None:
             eids = self.eids.to(torch.int64)
             src = torch.empty(self.num_edges, dtype=torch.int64, device=self.device)
             dst = torch.empty_like(src)
             src[eids] = self.indices.to(torch.int64)
-            dst[eids] = self.dst_ids()
+            dst[eids] = self._dst_ids if self._dst_ids is not None else \
+                self._position_rows(torch.int64)
             self._coo = (src, dst)
         return self._coo
 
@@ -152,9 +156,7 @@ class CSR:
             # and without caching dst_ids(): int64 copies of the edges here were most of a
             # training run's peak memory on its first backward.
             idx = self.index_dtype
-            dst_dtype = idx if self.num_dst <= _INT32_MAX else torch.int64
-            dst = torch.repeat_interleave(
-                torch.arange(self.num_dst, dtype=dst_dtype, device=self.device), self.in_degrees())
+            dst = self._position_rows(idx if self.num_dst <= _INT32_MAX else torch.int64)
             src_e = torch.empty_like(self.indices)
             src_e[self.eids] = self.indices
             dst_e = torch.empty_like(dst)

@@ -115,6 +115,15 @@ class Graph:
         """Edges grouped by source (row u = out-edges of u, column = destination), cached."""
         return self.in_csr().transpose()
 
+    def _held_as_csr(self) -> "Graph":
+        """The same graph holding its edges as its in-CSR alone: ``src`` / ``dst`` (E x 16
+        bytes) are rebuilt from the CSR when first asked for (``CSR.coo()``, equal values).
+        For graphs ngra derives for its own use (GAT's graph with self loops), of which a
+        training run reads the CSR, ``num_edges`` and ``device`` only."""
+        g = _CSRGraph.__new__(_CSRGraph)
+        g._num_nodes, g._in_csr = self._num_nodes, self.in_csr()
+        return g
+
     # -- transformations --------------------------------------------------------------------
     def reverse(self) -> "Graph":
         """Every edge u -> v becomes v -> u; edge ids are unchanged."""
@@ -282,6 +291,26 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"Graph(num_nodes={self._num_nodes}, num_edges={self.num_edges})"
+
+
+class _CSRGraph(Graph):
+    """A :class:`Graph` held as its in-CSR alone (see ``Graph._held_as_csr``)."""
+
+    __slots__ = ()
+    # the edge lists every Graph method reads, rebuilt from the CSR on first use and cached there
+    _src = property(lambda self: self._in_csr.coo()[0])
+    _dst = property(lambda self: self._in_csr.coo()[1])
+
+    @property
+    def num_edges(self) -> int:
+        return self._in_csr.num_edges
+
+    @property
+    def device(self) -> torch.device:
+        return self._in_csr.device
+
+    def __reduce__(self):  # pickled and copied as the plain Graph it equals
+        return Graph._trusted, (self.src, self.dst, self._num_nodes)
 
 
 # -- validation helpers ---------------------------------------------------------------------

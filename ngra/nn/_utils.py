@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 
 import torch
 
@@ -105,6 +106,20 @@ def glorot_(t: torch.Tensor) -> torch.Tensor:
         return t.uniform_(-bound, bound)
 
 
+class _Derived:
+    """``graph``, derived from ``source`` (held, so that its id names no other graph)."""
+
+    __slots__ = ("source", "graph", "__weakref__")
+
+    def __init__(self, source: Graph, graph: Graph):
+        self.source, self.graph = source, graph
+
+
+# (tag, make, id(source)) -> the _Derived that layers' caches hold; an entry goes with the last
+# layer cache holding it
+_SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
 class Conv(VertexProgram):
     """Base of the ngra.nn layers: one-line repr and :meth:`prepare`.
 
@@ -133,15 +148,21 @@ class Conv(VertexProgram):
 
     # A derived graph (e.g. with self loops) is cached by the identity of the graph it came from;
     # ngra.Graph is immutable, so the cache can only go stale if the user mutates its tensors in
-    # place, which Graph's docstring forbids. One entry: a layer sees one graph at a time.
+    # place, which Graph's docstring forbids. One entry: a layer sees one graph at a time. The
+    # layers deriving the same graph from the same graph share one copy (and so its CSR, its
+    # transpose and the kernels' caches on them): a model's GAT layers each held their own.
     def _derived(self, tag: str, g: Graph, make) -> Graph:
         cache = self.__dict__.setdefault("_graph_cache", {})
         hit = cache.get(tag)
-        if hit is not None and hit[0] is g:
-            return hit[1]
-        out = make(g)
-        cache[tag] = (g, out)
-        return out
+        if hit is not None and hit.source is g:
+            return hit.graph
+        key = (tag, make, id(g))
+        shared = _SHARED.get(key)
+        if shared is None or shared.source is not g:
+            shared = _Derived(g, make(g))
+            _SHARED[key] = shared
+        cache[tag] = shared
+        return shared.graph
 
     def __setattr__(self, name, value):
         # Options (dropout, concat, ...) are read while tracing and submodules are recorded

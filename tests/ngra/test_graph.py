@@ -327,3 +327,29 @@ def test_csr_indices_are_int32_when_they_fit():
         assert csr.indices.dtype == torch.int32 and csr.eids.dtype == torch.int32
         assert csr.indptr.dtype == torch.int64
     assert g.src.dtype == torch.int64  # the edge lists the user gave are not changed
+
+
+def test_a_graph_held_as_its_csr_is_the_same_graph():
+    """``_held_as_csr`` (GAT's graph with self loops) keeps no int64 edge lists: num_edges,
+    device and the CSR need none, and src / dst come back from the CSR equal to the graph's;
+    every method, pickling and copying work as on the graph itself."""
+    import copy
+    import pickle
+
+    gen = torch.Generator().manual_seed(0)
+    g = Graph(torch.randint(0, 30, (200,), generator=gen), torch.randint(0, 30, (200,), generator=gen),
+              32).remove_self_loops().add_self_loops()
+    h = g._held_as_csr()
+    assert isinstance(h, Graph) and h.in_csr() is g.in_csr()
+    assert (h.num_nodes, h.num_edges, h.device, repr(h)) == (g.num_nodes, g.num_edges, g.device,
+                                                             repr(g))
+    assert h.in_csr()._coo is None  # nothing rebuilt so far
+    assert torch.equal(h.src, g.src) and torch.equal(h.dst, g.dst)
+    assert h.src.dtype == torch.int64 and h.in_csr()._dst_ids is None  # only the pair is kept
+    assert torch.equal(h.in_degrees(), g.in_degrees()) and torch.equal(h.edge_index, g.edge_index)
+    for m in ("reverse", "add_self_loops", "remove_self_loops", "to_simple", "to_undirected"):
+        a, b = getattr(h, m)(), getattr(g, m)()
+        assert torch.equal(a.src, b.src) and torch.equal(a.dst, b.dst), m
+    for c in (pickle.loads(pickle.dumps(h)), copy.deepcopy(h)):
+        assert type(c) is Graph and torch.equal(c.src, g.src) and torch.equal(c.dst, g.dst)
+    assert h.to("cpu") is h

@@ -161,3 +161,38 @@ def test_bad_arguments():
         GATConv(4, 2, negative_slope=float("nan"))
     with pytest.raises(TypeError, match="concat must be True or False"):
         GATConv(4, 2, concat=1)
+
+
+def test_layers_share_the_graph_with_self_loops():
+    """A model's GAT layers derive the self-loop graph once between them (each held its own
+    copy, with its own CSR, transpose and the kernels' caches: 1 GiB on the e2e graph), held as
+    its CSR alone; another input graph gets its own, and the shared copy goes with the last
+    layer holding it."""
+    import gc
+
+    model = ngra.nn.build_model("gat", 5, 3, 2, heads=2)
+    g = make_graph("random")
+    x = torch.randn(g.num_nodes, 5, generator=torch.Generator().manual_seed(0))
+    out = model(g, x)
+    first, second = model.layers
+    out.sum().backward()
+    shared = first._derived("self_loops", g, None)  # a hit: make is not called
+    assert second._derived("self_loops", g, None) is shared
+    assert shared.in_csr()._coo is None  # held as its CSR: no int64 edge lists after a step
+    assert torch.equal(shared.src, g.remove_self_loops().add_self_loops().src)
+    alone = ngra.nn.build_model("gat", 5, 3, 2, heads=2)
+    alone.load_state_dict(model.state_dict())
+    for layer in alone.layers:  # a private plain copy per layer, as before: the same output
+        layer._derived = lambda tag, g, make: g.remove_self_loops().add_self_loops()
+    torch.testing.assert_close(model.eval()(g, x), alone.eval()(g, x), rtol=0, atol=0)
+    assert out.shape == (g.num_nodes, 2)
+    h = make_graph("multi_edges")
+    other = first._derived("self_loops", h, lambda h: h.remove_self_loops().add_self_loops())
+    assert other is not shared and second._derived("self_loops", g, None) is shared
+    from ngra.nn import _utils
+    from ngra.nn.gat import _with_self_loops
+    key = ("self_loops", _with_self_loops, id(g))
+    assert _utils._SHARED[key].graph is shared
+    del model, first, second, shared
+    gc.collect()
+    assert key not in _utils._SHARED
