@@ -9,7 +9,10 @@ array) like any other memory; when the last tensor, view or array using it is fr
 comes back here instead of going back to the OS, up to :func:`set_output_cache_limit` bytes
 (default: 1/16 of physical memory, at most 4 GiB; ``NGRA_KERNEL_OUTPUT_CACHE`` in the
 environment, a byte count, sets it at import, ``0`` turns the cache off). Blocks beyond the
-limit are released, oldest first; :func:`empty_output_cache` releases them all.
+limit are released, oldest first; :func:`empty_output_cache` releases them all. A request no
+cached block serves (a miss) releases as many cached bytes as it maps, oldest first: blocks kept
+for other sizes would otherwise sit on top of the memory in use while it grows (GAT's epoch on
+R-MAT 1M / 16M, whose outputs outnumber what the cache holds, peaked 0.16 GiB higher).
 
 Blocks are grouped in size classes of 1/8 of a power of two (a 100 MB output takes a block of at
 most 12.5% more), and only requests of at least 1 MiB use the cache (smaller ones come from
@@ -104,7 +107,11 @@ class OutputCache:
 
     def _trim(self, incoming: int) -> None:
         """Release the oldest blocks until ``incoming`` more bytes fit under the limit."""
-        while self._order and self.cached + incoming > self.limit:
+        self._shrink_to(self.limit - incoming)
+
+    def _shrink_to(self, target: int) -> None:
+        """Release the oldest blocks until at most ``target`` bytes are cached."""
+        while self._order and self.cached > target:
             _, (cls, block) = self._order.popitem(last=False)
             del self._free[cls][id(block)]
             self.cached -= cls
@@ -135,6 +142,9 @@ class OutputCache:
                 self.hits += 1
             else:
                 self.misses += 1
+                # A miss maps new memory: as many cached bytes go first (oldest first), so that
+                # blocks kept for other sizes do not add to the footprint while it grows.
+                self._shrink_to(self.cached - cls)
         if block is None:
             # its own anonymous mapping: page-aligned, and unmapped when the block is dropped
             try:

@@ -225,3 +225,29 @@ def test_the_environment_sets_the_limit_and_a_bad_value_says_how():
                          text=True, cwd=root)
     assert bad.returncode != 0
     assert "NGRA_KERNEL_OUTPUT_CACHE='2GiB'" in bad.stderr and "byte count" in bad.stderr
+
+
+def test_a_miss_releases_as_many_cached_bytes_as_it_maps(cache):
+    """Blocks kept for other sizes go first, oldest first, when a request maps new memory: the
+    cache then adds nothing on top of the memory in use while that grows. Hits release nothing."""
+    small, large = MIN_BYTES // 4, 3 * MIN_BYTES // 4  # float32 elements: 1 MiB and 3 MiB
+    ts = [cache.empty((small,), torch.float32) for _ in range(4)]
+    ptrs = [t.data_ptr() for t in ts]
+    while ts:  # freed oldest first: 0, 1, 2, 3
+        ts.pop(0)
+    assert cache.stats()["cached_bytes"] == 4 * MIN_BYTES
+    hit = cache.empty((small,), torch.float32)  # the most recently freed; nothing released
+    assert hit.data_ptr() == ptrs[3] and cache.stats()["cached_bytes"] == 3 * MIN_BYTES
+    before = cache.stats()
+    big = cache.empty((large,), torch.float32)  # a miss of 3 MiB releases the 3 cached blocks
+    after = cache.stats()
+    assert after["misses"] == before["misses"] + 1 and after["cached_bytes"] == 0
+    del big, hit
+    assert cache.stats()["cached_bytes"] == size_class(3 * MIN_BYTES) + MIN_BYTES
+    again = cache.empty((small // 2,), torch.float32)  # too small for the cache: no miss
+    assert cache.stats()["cached_bytes"] == size_class(3 * MIN_BYTES) + MIN_BYTES
+    del again
+    odd = cache.empty((5 * MIN_BYTES // 16,), torch.float32)  # 1.25 MiB: the oldest (3 MiB) goes
+    s = cache.stats()
+    assert s["cached_blocks"] == 1 and s["cached_bytes"] == MIN_BYTES  # the 1 MiB freed last stays
+    del odd
