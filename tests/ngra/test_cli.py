@@ -248,8 +248,12 @@ def _interrupt(tmp_path, args, *, after: str, delay: float = 0.0):
     import time
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    # A test run started in the background of a non-interactive shell ignores SIGINT, and a
+    # child inherits that (Python then installs no KeyboardInterrupt handler): give the child
+    # the default disposition, as a terminal would.
     proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTIBLE, *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         for line in proc.stdout:
