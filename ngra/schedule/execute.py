@@ -49,7 +49,7 @@ from torch import nn
 
 __all__ = ["GPTStage", "split_gpt", "ExecConfig", "ExecResult", "pipeline_worker",
            "schedules_worker", "reference_step", "make_model", "measured_problem", "Calibration",
-           "calibrate", "calibrate_worker", "spawn"]
+           "calibrate", "calibrate_worker", "calibration_from", "spawn"]
 
 
 class GPTStage(nn.Module):
@@ -109,7 +109,7 @@ class ExecResult:
     grads: dict                   # parameter name -> gradient, for this rank's stages
     step_seconds: list            # wall time of each step (barrier to barrier)
     block_seconds: dict           # (kind, stage) -> list of measured durations
-    trace: list = ()              # per step: (t0, [(name, begin, compute, end)]), perf_counter
+    trace: list = ()   # per step (t0, [(name, begin, compute, end, sent)]), perf_counter seconds
 
 
 def make_model(cfg: ExecConfig):
@@ -151,8 +151,6 @@ class _Pipeline:
             raise ValueError(f"batch {cfg.batch} must split into {m} equal micro-batches")
         if max(cfg.stage_devices) >= world:
             raise ValueError(f"stage devices {cfg.stage_devices} need more than {world} ranks")
-        if cfg.lookahead is not None and cfg.lookahead < 0:
-            raise ValueError(f"lookahead: expected None or >= 0 (got {cfg.lookahead})")
         mb = cfg.batch // m
         self.xs, self.ys = idx.split(mb), tgt.split(mb)
         self.shape = (mb, cfg.seq, cfg.d_model)
@@ -167,9 +165,11 @@ class _Pipeline:
             return cfg.stage_devices[s + 1], 2 * (s * m + i) + 1
         return None
 
-    def step(self, order, times: dict):
-        """Run ``order`` once: ``(mean loss or None, seconds barrier to barrier, events)`` with
-        events ``(name, begin, compute start, end)`` in ``time.perf_counter`` seconds."""
+    def step(self, order, times: dict, lookahead):
+        """Run ``order`` once, receives posted ``lookahead`` blocks ahead (None: all at the
+        start): ``(mean loss or None, seconds barrier to barrier, (t0, events))`` with events
+        ``(name, begin, compute start, end, isend call or None)`` in ``time.perf_counter``
+        seconds (system-wide, so comparable across ranks on one machine)."""
         import torch.distributed as dist
 
         cfg, rank, m, stages = self.cfg, self.rank, self.cfg.micro_batches, self.stages
@@ -186,7 +186,9 @@ class _Pipeline:
         loss_total = 0.0
 
         events = []
-        ahead = len(parsed) if cfg.lookahead is None else cfg.lookahead
+        if lookahead is not None and lookahead < 0:
+            raise ValueError(f"lookahead: expected None or >= 0 (got {lookahead})")
+        ahead = len(parsed) if lookahead is None else lookahead
         next_post = 0  # blocks before it have their receive posted (if they need one)
         dist.barrier()
         t0 = time.perf_counter()
@@ -203,6 +205,7 @@ class _Pipeline:
                 got, work = posted.pop(j)
                 work.wait()
             tb = time.perf_counter()  # compute only: waiting for a message is not work
+            sent = None  # when its message to another rank was handed to isend
             if kind == "F":
                 if s == 0:
                     x = self.xs[i]
@@ -218,6 +221,7 @@ class _Pipeline:
                 elif cfg.stage_devices[s + 1] == rank:
                     local["act", s + 1, i] = out
                 else:
+                    sent = time.perf_counter()
                     pending.append(dist.isend(out.detach().contiguous(),
                                               dst=cfg.stage_devices[s + 1], tag=2 * (s * m + i)))
                 outputs[s, i] = out
@@ -232,12 +236,13 @@ class _Pipeline:
                     if cfg.stage_devices[s - 1] == rank:
                         local["grad", s - 1, i] = x.grad
                     else:
+                        sent = time.perf_counter()
                         pending.append(dist.isend(x.grad.contiguous(),
                                                   dst=cfg.stage_devices[s - 1],
                                                   tag=2 * ((s - 1) * m + i) + 1))
             te = time.perf_counter()
             times.setdefault((kind, s), []).append(te - tb)
-            events.append((name, ta, tb, te))
+            events.append((name, ta, tb, te, sent))
         for w in pending:
             w.wait()
         dist.barrier()
@@ -258,33 +263,51 @@ def pipeline_worker(rank: int, world: int, cfg: ExecConfig) -> ExecResult:
     times: dict = {}
     step_s, trace, loss = [], [], None
     for _ in range(cfg.steps):
-        loss, sec, events = pipe.step(cfg.orders[rank], times)
+        loss, sec, events = pipe.step(cfg.orders[rank], times, cfg.lookahead)
         step_s.append(sec)
         trace.append(events)
     return ExecResult(rank, loss, pipe.grads(), step_s, times, trace)
 
 
-def schedules_worker(rank: int, world: int, cfg: ExecConfig, named_orders) -> dict:
+def schedules_worker(rank: int, world: int, cfg: ExecConfig, named_orders,
+                     calibrate: bool = False) -> dict:
     """Several schedules on the same workers, in turns: ``cfg.steps`` rounds, each running one
-    step of every schedule of ``named_orders`` (``((name, orders), ...)``), so that they share
-    the machine's conditions (load, frequency) instead of each its own run. Returns
-    ``{name: ExecResult}`` (gradients of each schedule's last step)."""
+    step of every schedule of ``named_orders`` (``((name, orders), ...)``, or
+    ``(name, orders, lookahead)`` to override ``cfg.lookahead``), so that they share the
+    machine's conditions (load, frequency) instead of each its own run. Returns
+    ``{name: ExecResult}`` (gradients of each schedule's last step). ``calibrate``: each round
+    also starts with a calibration round (:func:`calibrate_worker`), whose samples come back
+    under ``"calibration"`` (for :func:`calibration_from`): the stage costs under the same
+    conditions as the schedules' steps."""
     pipe = _Pipeline(rank, world, cfg)
-    state = {name: ({}, [], [], None, None) for name, _ in named_orders}
-    for name, orders in named_orders:
+    runs = []
+    for entry in named_orders:
+        name, orders = entry[0], entry[1]
+        lookahead = entry[2] if len(entry) > 2 else cfg.lookahead
+        if name == "calibration":
+            raise ValueError("'calibration' is reserved for the calibration's samples")
         if len(orders) != world:
             raise ValueError(f"{name}: expected one order per rank ({world}) (got "
                              f"{len(orders)})")
+        runs.append((name, orders, lookahead))
+    state = {name: ({}, [], [], None, None) for name, _, _ in runs}
+    gen = torch.Generator().manual_seed(cfg.seed + 2 + rank)
+    samples: dict = {}
     for k in range(cfg.steps):
-        for name, orders in named_orders:
+        if calibrate:
+            _calibration_round(pipe, gen, samples if k > 0 else None)
+        for name, orders, lookahead in runs:
             times, step_s, trace, _, _ = state[name]
-            loss, sec, events = pipe.step(orders[rank], times)
+            loss, sec, events = pipe.step(orders[rank], times, lookahead)
             step_s.append(sec)
             trace.append(events)
             state[name] = (times, step_s, trace, loss,
                            pipe.grads() if k == cfg.steps - 1 else None)
-    return {name: ExecResult(rank, loss, grads, step_s, times, trace)
-            for name, (times, step_s, trace, loss, grads) in state.items()}
+    out = {name: ExecResult(rank, loss, grads, step_s, times, trace)
+           for name, (times, step_s, trace, loss, grads) in state.items()}
+    if calibrate:
+        out["calibration"] = samples
+    return out
 
 
 def measured_problem(results, cfg: ExecConfig, *, resolution: float = 1e-4):
@@ -343,58 +366,64 @@ class Calibration:
                                 memory_limit=memory_limit, comm_delay=c)
 
 
-def calibrate_worker(rank: int, world: int, cfg: ExecConfig, warmup: int = 3,
-                     iters: int = 10) -> dict:
-    """This rank's samples for :func:`calibrate`: its stages' forward and backward on one
-    micro-batch, ``warmup`` + ``iters`` times with every rank busy at once (as in a pipeline),
-    then a ping-pong of one activation with every other rank its stages exchange messages with
-    (lower rank starts; the others wait)."""
+def _calibration_round(pipe: "_Pipeline", gen, samples: dict | None) -> None:
+    """One calibration iteration on every rank at once: this rank's stages' forward and backward
+    on one micro-batch (every rank busy, as in a pipeline), then a ping-pong of one activation
+    between each two ranks whose stages exchange messages (lower rank starts and times it; the
+    others wait). Appends the seconds to ``samples`` unless it is None (a warm-up)."""
     import torch.distributed as dist
 
-    if warmup < 0 or iters < 1:
-        raise ValueError(f"expected warmup >= 0 and iters >= 1 (got {warmup}, {iters})")
-    pipe = _Pipeline(rank, world, cfg)
+    cfg, rank = pipe.cfg, pipe.rank
     m, last = cfg.micro_batches, pipe.n_stages - 1
     mine = sorted(pipe.mine)
-    gen = torch.Generator().manual_seed(cfg.seed + 2 + rank)
-    samples: dict = {}
-    for it in range(warmup + iters):
-        dist.barrier()
-        outs, took = {}, {}
-        for s in mine:
-            x = pipe.xs[0] if s == 0 else torch.randn(pipe.shape, generator=gen).requires_grad_()
-            t = time.perf_counter()
-            out = pipe.stages[s](x)
-            if s == last:
-                out = F.cross_entropy(out.flatten(0, 1), pipe.ys[0].flatten()) / m
-            took["F", s] = time.perf_counter() - t
-            outs[s] = out
-        for s in reversed(mine):
-            grad = None if s == last else torch.randn(pipe.shape, generator=gen)
-            t = time.perf_counter()
-            outs[s].backward(grad)
-            took["B", s] = time.perf_counter() - t
-        if it >= warmup:
-            for k, v in took.items():
-                samples.setdefault(k, []).append(v)
+    dist.barrier()
+    outs, took = {}, {}
+    for s in mine:
+        x = pipe.xs[0] if s == 0 else torch.randn(pipe.shape, generator=gen).requires_grad_()
+        t = time.perf_counter()
+        out = pipe.stages[s](x)
+        if s == last:
+            out = F.cross_entropy(out.flatten(0, 1), pipe.ys[0].flatten()) / m
+        took["F", s] = time.perf_counter() - t
+        outs[s] = out
+    for s in reversed(mine):
+        grad = None if s == last else torch.randn(pipe.shape, generator=gen)
+        t = time.perf_counter()
+        outs[s].backward(grad)
+        took["B", s] = time.perf_counter() - t
     pipe.model.zero_grad(set_to_none=True)
     devs = cfg.stage_devices
     pairs = sorted({tuple(sorted((devs[s], devs[s + 1]))) for s in range(len(devs) - 1)
                     if devs[s] != devs[s + 1]})
     buf, back = torch.randn(pipe.shape, generator=gen), torch.empty(pipe.shape)
     for a, b in pairs:
-        for it in range(warmup + iters):
-            dist.barrier()
-            if rank == a:
-                t = time.perf_counter()
-                dist.send(buf, dst=b, tag=it)
-                dist.recv(back, src=b, tag=it)
-                if it >= warmup:
-                    samples.setdefault(("comm", a, b), []).append((time.perf_counter() - t) / 2)
-            elif rank == b:
-                dist.recv(back, src=a, tag=it)
-                dist.send(buf, dst=a, tag=it)
+        dist.barrier()
+        if rank == a:
+            t = time.perf_counter()
+            dist.send(buf, dst=b, tag=0)
+            dist.recv(back, src=b, tag=0)
+            took["comm", a, b] = (time.perf_counter() - t) / 2
+        elif rank == b:
+            dist.recv(back, src=a, tag=0)
+            dist.send(buf, dst=a, tag=0)
     dist.barrier()
+    if samples is not None:
+        for k, v in took.items():
+            samples.setdefault(k, []).append(v)
+
+
+def calibrate_worker(rank: int, world: int, cfg: ExecConfig, warmup: int = 3,
+                     iters: int = 10) -> dict:
+    """This rank's samples for :func:`calibrate`: ``warmup`` + ``iters`` calibration rounds
+    (forward and backward of its stages with every rank busy at once, then a ping-pong with
+    the ranks its stages exchange messages with), the first ``warmup`` not recorded."""
+    if warmup < 0 or iters < 1:
+        raise ValueError(f"expected warmup >= 0 and iters >= 1 (got {warmup}, {iters})")
+    pipe = _Pipeline(rank, world, cfg)
+    gen = torch.Generator().manual_seed(cfg.seed + 2 + rank)
+    samples: dict = {}
+    for it in range(warmup + iters):
+        _calibration_round(pipe, gen, samples if it >= warmup else None)
     return samples
 
 
@@ -402,11 +431,17 @@ def calibrate(cfg: ExecConfig, world: int, *, warmup: int = 3, iters: int = 10,
               timeout: float = 120.0) -> Calibration:
     """Measure ``cfg``'s stages (placed by ``cfg.stage_devices``) on ``world`` gloo workers:
     medians of :func:`calibrate_worker`'s samples (``cfg.orders`` is not used)."""
+    return calibration_from(spawn(calibrate_worker, world, cfg, warmup, iters, timeout=timeout),
+                            cfg)
+
+
+def calibration_from(per_rank_samples, cfg: ExecConfig) -> Calibration:
+    """The :class:`Calibration` (medians) of every rank's samples (:func:`calibrate_worker`'s
+    results, or the ``"calibration"`` entry of :func:`schedules_worker`'s)."""
     import statistics
 
-    results = spawn(calibrate_worker, world, cfg, warmup, iters, timeout=timeout)
     samples: dict = {}
-    for r in results:
+    for r in per_rank_samples:
         for k, v in r.items():
             samples.setdefault(k, []).extend(v)
     n = len(cfg.stage_devices)

@@ -19,8 +19,8 @@ from ngra.schedule import (check, gpipe, greedy, linear, one_f_one_b,  # noqa: E
                            pipeline_problem, simulate, vshape)
 from ngra.schedule.baselines import pipeline_shape  # noqa: E402
 from ngra.schedule.execute import (Calibration, ExecConfig, calibrate,  # noqa: E402
-                                   measured_problem, pipeline_worker, reference_step,
-                                   schedules_worker, split_gpt, make_model)
+                                   calibration_from, measured_problem, pipeline_worker,
+                                   reference_step, schedules_worker, split_gpt, make_model)
 from ngra.distributed.launch import SpawnError  # noqa: E402
 
 # A GPT small enough that a calibration or a step takes milliseconds.
@@ -166,8 +166,16 @@ def test_schedule_searched_on_measured_costs_matches_single_device(v_calibration
     prob = cal.problem(memory_limit=3)
     named = (("searched", tuple(tuple(o) for o in searched.orders())),
              ("greedy", tuple(tuple(o) for o in greedy(prob).orders())))
-    out = distutil.run(schedules_worker, 2, cfg, named, timeout=60)
+    # With every receive posted at once, a calibration round also runs before each round of
+    # steps (its samples after the first one come back).
+    again = lookahead is None
+    out = distutil.run(schedules_worker, 2, cfg, named, again, timeout=60)
     for name, _ in named:
         results = [r[name] for r in out]
         assert all(len(r.step_seconds) == 2 and len(r.trace) == 2 for r in results)
         _check_against_single_device(cfg, results)
+    assert all(("calibration" in r) == again for r in out)
+    if again:
+        during = calibration_from([r["calibration"] for r in out], cfg)
+        assert all(x > 0 for x in during.forward + during.backward) and during.comm > 0
+        assert len(during.samples["F", 0]) == 1 and len(during.samples["comm", 0, 1]) == 1
