@@ -14,6 +14,18 @@ Cases: ``linear`` (uniform stages, where 1F1B is already optimal: ratio 1 expect
     .venv/bin/python benchmarks/schedule.py            # 4 devices, 8 micro-batches
     .venv/bin/python benchmarks/schedule.py --quick    # 2 devices, 4 micro-batches
     .venv/bin/python benchmarks/schedule.py --quick --plot /tmp/gantt   # + Gantt PNGs
+
+``--measured`` (alias ``--execute``) also runs schedules for real on 2 gloo processes, a GPT
+(16 x 64 tokens, d_model 128, 4 layers) cut into the stages of each placement of
+``--placements`` (linear, V, loop): it calibrates the stages' forward and backward times and the
+transfer of an activation on the real workers (each stage alone, and inside a greedy schedule's
+steps: the latter is used), searches on those costs, then runs the standard schedules, the
+searched one and the one searched on the assumed costs (forward 1, backward 2) in turns on the
+same workers and prints, per schedule, the simulator's prediction next to the measured step
+time, and the searched / best standard ratio predicted and measured. It also prints how many
+cores other processes used meanwhile (timings under load are not comparable)::
+
+    .venv/bin/python benchmarks/schedule.py --cases linear --measured --lookahead 0,all
 """
 
 from __future__ import annotations
@@ -86,50 +98,192 @@ def run_case(case: str, p: int, m: int, timeout_s: float) -> dict:
     }
 
 
-def execute(quick: bool, timeout: float) -> list:
-    """Run GPipe, (greedy) 1F1B and the searched schedule on 2 gloo processes; check each against
-    single-device loss and gradients; print measured step time against the simulator's prediction
-    from the measured median block durations."""
+def _receive_stats(results, cfg):
+    """From the traces of every step after the first: the seconds from a block's ``isend`` to
+    the start of the dependent block on another rank when that one was already waiting (the
+    transfer as the pipeline sees it), and per step the total time blocks waited for a message
+    sent before they came to it (0 if every message were delivered while its receiver was
+    busy: gloo's rendezvous when the receive is posted late, or a receiving process that gets
+    no core while both compute)."""
+    from ngra.schedule.execute import _parse
+
+    devs = cfg.stage_devices
+    delays, late = [], []
+    for k in range(1, len(results[0].trace)):
+        sent, begins = {}, {}
+        for r in results:
+            for name, ta, tb, _te, ts in r.trace[k][1]:
+                sent[name], begins[name] = ts, (ta, tb)
+        waited = 0.0
+        for name, (ta, tb) in begins.items():
+            kind, s, i = _parse(name)
+            u = (f"F{s - 1}.{i}" if kind == "F" and s > 0 else
+                 f"B{s + 1}.{i}" if kind == "B" and s < len(devs) - 1 else None)
+            if u is None or devs[_parse(u)[1]] == devs[s]:
+                continue
+            if ta < sent[u]:
+                delays.append(tb - sent[u])
+            else:
+                waited += tb - ta
+        late.append(waited)
+    return delays, late
+
+
+class OtherLoad:
+    """CPU the rest of the machine used meanwhile: busy time from /proc/stat (user, nice, system,
+    irq, softirq and the hypervisor's steal) minus this process's and its finished children's
+    (the gloo workers), in cores on average. Linux only (None elsewhere)."""
+
+    def __init__(self):
+        self.t0, self.busy0, self.own0 = time.monotonic(), self._busy(), self._own()
+
+    @staticmethod
+    def _busy():
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        import os
+
+        user, nice, system, _idle, _iowait, irq, softirq, steal = v + [0] * (8 - len(v))
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own():
+        import resource
+
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    def cores(self):
+        busy = self._busy()
+        if busy is None or self.busy0 is None:
+            return None
+        wall = max(1e-9, time.monotonic() - self.t0)
+        return max(0.0, (busy - self.busy0) - (self._own() - self.own0)) / wall
+
+
+MEASURED = {"linear": (linear, 2), "V": (vshape, 3), "loop": (lambda p: loop(p, 2), None)}
+
+
+def _la(v) -> str:
+    return "all" if v is None else str(v)
+
+
+def _ms(xs) -> list:
+    return [round(1e3 * x, 2) for x in xs]
+
+
+def measured(quick: bool, timeout: float, placements, steps: int, lookaheads) -> list:
+    """On 2 gloo processes, per placement: calibrate the staged GPT twice, each stage timed on
+    its own and inside the steps of a greedy schedule (the blocks of a real pipeline), build the
+    pipeline problem from the second (median forward / backward per stage, ping-pong transfer),
+    search it (Tessel on integer multiples of a tenth of the shortest block), then run the
+    standard schedules, the searched one and the one searched on assumed costs (forward 1,
+    backward 2) in turns on the same workers, once per receive lookahead; each schedule must
+    give single-device loss and gradients. Prints the simulator's predictions (median costs;
+    and the Monte Carlo mean over the calibration's samples) against the measured step times."""
     import statistics
 
     import torch
 
-    from ngra.schedule import gpipe, greedy, one_f_one_b, simulate
-    from ngra.schedule.execute import (ExecConfig, measured_problem, pipeline_worker,
-                                       reference_step, spawn)
+    from ngra.schedule import greedy, simulate, standard
+    from ngra.schedule.execute import (ExecConfig, calibrate, reference_step, schedules_worker,
+                                       spawn)
 
     m = 4
-    size = dict(batch=8, seq=16, d_model=32, n_layer=4, steps=3) if quick else \
-        dict(batch=16, seq=64, d_model=128, n_layer=4, n_head=4, steps=5)
+    size = dict(batch=8, seq=16, d_model=32, n_layer=4, n_head=2) if quick else \
+        dict(batch=16, seq=64, d_model=128, n_layer=4, n_head=4)
     out = []
-    print(f"\nExecuted on 2 gloo processes (GPT {size}, {m} micro-batches); step time = median "
-          f"of steps after the first; predicted = simulator on measured median block times")
-    head = f"{'placement':<10} {'schedule':<22} {'step ms':>9} {'predicted ms':>13} {'step/pred':>10}"
-    print(head)
-    print("-" * len(head))
-    for pname, placement, limit in (("linear", linear(2), 2), ("V", vshape(2), 3)):
-        prob = pipeline_problem(placement, micro_batches=m, forward=1, backward=2,
-                                memory_limit=limit)
-        scheds = [gpipe(prob), one_f_one_b(prob) if pname == "linear" else greedy(prob),
-                  tessel(prob, instances=(1,), timeout_s=timeout).schedule]
-        for sched in scheds:
-            cfg = ExecConfig(orders=tuple(tuple(o) for o in sched.orders()),
-                             stage_devices=tuple(placement), micro_batches=m, **size)
-            res = spawn(pipeline_worker, 2, cfg, timeout=600)
-            loss, grads = reference_step(cfg)
+    print(f"\nOn measured costs, 2 gloo processes (GPT {size}, {m} micro-batches). step: median "
+          f"of {steps - 2} rounds after 2 warm-up rounds, every schedule taking turns on the same "
+          f"workers; pred: the simulator on the calibration's median costs (what the search "
+          f"used); pred~: its mean over 200 draws of every block's duration from the "
+          f"calibration's samples; late: ms per step blocks waited for a message sent before "
+          f"they came to it; recv: receives posted k blocks ahead (all: at the step's start; 0: "
+          f"at the block)")
+    head = (f"{'placement':<9} {'schedule':<22} {'recv':>4} {'pred ms':>8} {'pred~ ms':>8} "
+            f"{'step ms':>8} {'step/pred':>9} {'step/pred~':>10} {'late':>6}")
+    for pname in placements:
+        make, limit = MEASURED[pname]
+        placement = make(2)
+        cfg = ExecConfig(orders=(), stage_devices=tuple(placement), micro_batches=m,
+                         steps=steps, **size)
+        load = OtherLoad()
+        alone = calibrate(cfg, 2, warmup=3, iters=15, timeout=300)
+        unit_costs = pipeline_problem(placement, micro_batches=m, forward=1, backward=2)
+        cal = calibrate(cfg, 2, warmup=2, iters=8, orders=greedy(unit_costs).orders(),
+                        timeout=300)
+        if limit is None:  # what interleaved 1F1B itself needs, so that it competes
+            limit = max(interleaved_1f1b(cal.problem()).peak_memory())
+        prob = cal.problem(memory_limit=limit)
+        unit = cal.unit()
+        t0 = time.monotonic()
+        found = tessel(cal.problem(memory_limit=limit, unit=unit), instances=(1, 2),
+                       timeout_s=timeout)
+        search_s = time.monotonic() - t0
+        assumed = tessel(unit_costs.with_memory_limit(limit), instances=(1, 2),
+                         timeout_s=timeout).schedule
+        scheds = dict(standard(prob))
+        scheds["Tessel (assumed 1/2)"] = simulate(prob, assumed.orders(),
+                                                  policy="Tessel (assumed 1/2)")
+        scheds["Tessel (measured)"] = simulate(prob, found.schedule.orders(),
+                                               policy="Tessel (measured)")
+        for sch in scheds.values():
+            check(sch)
+        runs = [(name, la) for la in lookaheads for name in scheds]
+        named = tuple((f"{name}@{_la(la)}", tuple(tuple(o) for o in scheds[name].orders()), la)
+                      for name, la in runs)
+        res = spawn(schedules_worker, 2, cfg, named, timeout=900)
+        other = load.cores()
+        loss, grads = reference_step(cfg)
+        print(f"\n{pname}: stage devices {list(placement)}, memory limit {limit:g}; search "
+              f"{search_s:.1f} s (unit {1e3 * unit:.3f} ms); other processes used "
+              f"{'?' if other is None else f'{other:.2f}'} cores meanwhile")
+        for what, c in (("stages timed alone", alone), ("inside greedy's steps (used)", cal)):
+            print(f"  calibrated, {what}: F {_ms(c.forward)} ms, B {_ms(c.backward)} ms, "
+                  f"transfer {1e3 * c.comm:.3f} ms")
+        print(head)
+        print("-" * len(head))
+        rows = []
+        for (name, la), (key, _, _) in zip(runs, named):
+            orders = scheds[name].orders()
+            rr = [r[key] for r in res]
             got = {}
-            for r in res:
+            for r in rr:
                 got.update(r.grads)
-            assert abs([r.loss for r in res if r.loss is not None][0] - loss) < 1e-4 * abs(loss)
+            assert abs([r.loss for r in rr if r.loss is not None][0] - loss) < 1e-4 * abs(loss)
             for n, g in grads.items():
                 torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-6)
-            step = statistics.median(max(r.step_seconds[k] for r in res)
-                                     for k in range(1, cfg.steps))
-            pred = simulate(measured_problem(res, cfg), sched.orders()).makespan
-            out.append({"placement": pname, "schedule": sched.policy, "step_s": step,
-                        "predicted_s": pred})
-            print(f"{pname:<10} {sched.policy:<22} {1e3 * step:>9.2f} {1e3 * pred:>13.2f} "
-                  f"{step / pred:>9.2f}x", flush=True)
+            step = statistics.median(max(r.step_seconds[k] for r in rr) for k in range(2, steps))
+            pred = scheds[name].makespan
+            pred_mc = cal.expected_makespan(orders)
+            delays, late = _receive_stats(rr, cfg)
+            rows.append({"placement": pname, "schedule": name, "lookahead": _la(la),
+                         "predicted_s": pred, "predicted_mc_s": pred_mc, "step_s": step,
+                         "late_s": statistics.median(late[1:]),
+                         "transfer_s": statistics.median(delays) if delays else None,
+                         "calibration": [cal.forward, cal.backward, cal.comm],
+                         "calibration_alone": [alone.forward, alone.backward, alone.comm],
+                         "memory_limit": limit, "other_load": other})
+            print(f"{pname:<9} {name:<22} {_la(la):>4} {1e3 * pred:>8.2f} {1e3 * pred_mc:>8.2f} "
+                  f"{1e3 * step:>8.2f} {step / pred:>8.2f}x {step / pred_mc:>9.2f}x "
+                  f"{1e3 * rows[-1]['late_s']:>6.2f}", flush=True)
+        for la in lookaheads:
+            mine = [r for r in rows if r["lookahead"] == _la(la)]
+            std = [r for r in mine if not r["schedule"].startswith("Tessel")]
+            srch = next(r for r in mine if r["schedule"] == "Tessel (measured)")
+            parts = []
+            for col, what in (("predicted_s", "pred"), ("predicted_mc_s", "pred~"),
+                              ("step_s", "measured")):
+                best = min(std, key=lambda r: r[col])
+                parts.append(f"{what} {srch[col] / best[col]:.2f} ({best['schedule']})")
+            obs = [r["transfer_s"] for r in mine if r["transfer_s"] is not None]
+            print(f"recv {_la(la)}: searched / best standard: {', '.join(parts)}; observed "
+                  f"transfer (isend to the waiting receiver's start, median) "
+                  f"{1e3 * statistics.median(obs) if obs else float('nan'):.3f} ms")
+        out += rows
     print("(every run matched single-device loss and gradients)")
     return out
 
@@ -144,13 +298,36 @@ def main(argv=None) -> int:
                     help="solver seconds per phase (default 5 quick, 20 full)")
     ap.add_argument("--plot", type=Path, help="write Gantt charts (PNG) into this folder")
     ap.add_argument("--json", type=Path, help="also write the results here")
-    ap.add_argument("--execute", action="store_true",
-                    help="also run schedules for real on 2 gloo processes (a small GPT)")
+    ap.add_argument("--measured", "--execute", action="store_true",
+                    help="also calibrate a small GPT on 2 gloo processes, search on the "
+                         "measured costs and run standard and searched schedules for real")
+    ap.add_argument("--placements", default=",".join(MEASURED),
+                    help=f"with --measured: comma list of {list(MEASURED)}")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="with --measured: rounds of every schedule (default 8 quick, 30)")
+    ap.add_argument("--lookahead", default="all",
+                    help="with --measured: comma list; post receives this many blocks ahead "
+                         "(0: at the block, the executor's old way; all, the default: every "
+                         "receive of a step at its start); each schedule runs with each")
     args = ap.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
     bad = [c for c in cases if c not in CASES]
     if bad:
         ap.error(f"--cases: unknown {bad}; expected some of {CASES}")
+    pls = [x for x in args.placements.split(",") if x]
+    if set(pls) - set(MEASURED):
+        ap.error(f"--placements: unknown {sorted(set(pls) - set(MEASURED))}; expected some of "
+                 f"{list(MEASURED)}")
+    try:
+        las = [None if v == "all" else int(v) for v in args.lookahead.split(",") if v]
+    except ValueError:
+        las = []
+    if not las or any(v is not None and v < 0 for v in las):
+        ap.error(f"--lookahead: expected a comma list of ints >= 0 or 'all' (got "
+                 f"{args.lookahead!r})")
+    steps = args.steps or (8 if args.quick else 30)
+    if steps < 4:
+        ap.error(f"--steps: expected >= 4 (2 warm-up rounds, then timed ones) (got {steps})")
     p = args.devices or (2 if args.quick else 4)
     m = args.micro_batches or 2 * p
     timeout = args.timeout or (5.0 if args.quick else 20.0)
@@ -190,11 +367,13 @@ def main(argv=None) -> int:
             fig.savefig(out, dpi=100)
             plt.close(fig)
             print(f"wrote {out}")
-    if args.execute:
-        rows_exec = execute(args.quick, timeout)
+    rows_exec = []
+    if args.measured:
+        rows_exec = measured(args.quick, timeout, pls, steps, las)
     if args.json:
-        args.json.write_text(json.dumps([{k: v for k, v in r.items() if not k.startswith("_")}
-                                         for r in rows], indent=1))
+        args.json.write_text(json.dumps({
+            "simulated": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],
+            "measured": rows_exec}, indent=1))
     return 0
 
 

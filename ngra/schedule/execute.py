@@ -19,23 +19,34 @@ posted only sends a notification; the data leaves when the receiver posts its re
 sends a notification back that the *sender's* gloo thread must wake up to answer. A receive
 posted at the block itself (``lookahead=0``, what this executor did before) therefore costs a
 round trip that waits for the sender's process to be scheduled while it computes, not the
-transfer the simulator models. On the shared 2-core machine (other jobs running, 2026-11-25)
-such late receives waited 3.9-4.7 ms (median) against blocks of 1.5-12 ms: 13-16 ms per step for
-1F1B, greedy and the searched schedule on the linear placement, 17-82 ms on the V-shape, while
-GPipe lost 7 and 0.2 ms (its receivers mostly wait for the message: receive first, no round
-trip). Posted at the step's start, the same waits were 0.02-0.23 ms (one block ahead: 0.02-2.1
-ms, too late when blocks are short). When the receive is posted first, ``isend``
-writes the data at once from the sender's thread. The price is memory: a rank holds a buffer
-for every message of the step from its start (``lookahead`` bounds that).
+transfer the simulator models. On the shared 2-core machine with other jobs running
+(2026-11-25) such late receives waited 3.9-4.7 ms (median) against blocks of 1.5-12 ms: 13-16 ms
+per step for 1F1B, greedy and the searched schedule on the linear placement, 17-82 ms on the
+V-shape, while GPipe lost 7 and 0.2 ms (its receivers mostly wait for the message: receive
+first, no round trip). Posted at the step's start, the same waits were 0.02-0.23 ms (one block
+ahead: 0.02-2.1 ms, too late when blocks are short). With nothing else running, receives at
+the block lost 0.6-22 ms per step on the tight schedules and posted ahead 0.1-3.3 ms; the step
+times differed within the noise on the linear and V placements but were 9-17% longer on the
+interleaved one, whose every stage boundary crosses ranks (benchmarks/README.md). When the
+receive is posted first, ``isend`` writes the data at once from the sender's thread. The price
+is memory: a rank holds a buffer for every message of the step from its start (``lookahead``
+bounds that).
 
 The gradient is that of ``mean_i loss_i`` = the full batch's mean cross-entropy when micro-batches
 have equal size, so the result matches single-device ``GPT(idx, targets)`` up to rounding.
 
 Calibration (:func:`calibrate`): every rank runs its stages' forward and backward on one
-micro-batch at the same time as the others (a few warm-up, then timed iterations), and each pair
-of ranks whose stages exchange messages ping-pongs one activation; the medians give a
+micro-batch at the same time as the others (a few warm-up, then timed iterations), or, given
+block orders, runs that schedule's steps and times every block inside them; each pair of ranks
+whose stages exchange messages ping-pongs one activation. The medians give a
 :class:`Calibration`, whose :meth:`~Calibration.problem` is the pipeline problem in seconds (for
-the simulator's prediction) or in integer units (for the z3 search, which needs integers).
+the simulator's prediction) or in integer units (for the z3 search, which needs integers), and
+whose :meth:`~Calibration.expected_makespan` averages the simulated makespan over durations drawn
+from the samples. On the idle 2-core machine, backwards timed inside a greedy schedule's steps
+took 3-9% longer than alone and forwards 13% less to 13% more (likely other stages' weights and
+activations in between, and the gloo threads handling messages on the same two cores), and they
+vary more; a schedule with many nearly critical paths pays for the variance, which the
+deterministic simulation does not see.
 """
 
 from __future__ import annotations
@@ -334,7 +345,8 @@ class Calibration:
     seconds of one micro-batch, and ``comm``, the median one-way seconds of one activation (or
     gradient: the same shape) between two ranks, from a ping-pong (0 when no two stages on
     different ranks exchange messages). ``samples`` keeps every timed value under ``("F", s)``,
-    ``("B", s)`` and ``("comm", a, b)``."""
+    ``("B", s)`` and ``("comm", a, b)``. ``source``: ``"isolated"`` (each stage timed on its
+    own, every rank busy at once) or ``"pipeline"`` (the blocks of a schedule run for real)."""
 
     stage_devices: tuple
     micro_batches: int
@@ -342,6 +354,26 @@ class Calibration:
     backward: tuple
     comm: float
     samples: dict
+    source: str = "isolated"
+
+    def expected_makespan(self, orders, *, draws: int = 200, seed: int = 0) -> float:
+        """The mean simulated makespan of ``orders`` when every block's duration is drawn from
+        its stage's samples (with replacement; the transfer stays ``comm``): a Monte Carlo
+        estimate of the step time under the measured variability, which costs a schedule more
+        the more nearly critical paths it has (the makespan is a max of sums)."""
+        import random
+
+        from .core import Block, Problem, simulate
+
+        base = self.problem()
+        rng = random.Random(seed)
+        total = 0.0
+        for _ in range(draws):
+            blocks = tuple(Block(b.name, b.devices, rng.choice(self.samples[b.kind, b.stage]),
+                                 b.memory, b.deps, b.kind, b.stage, b.mb) for b in base.blocks)
+            total += simulate(Problem(blocks, base.n_devices, None, base.base_memory,
+                                      base.comm_delay), orders).makespan
+        return total / draws
 
     def unit(self, steps: int = 10) -> float:
         """Seconds per integer time unit for the solvers: the shortest block is ``steps``
@@ -366,16 +398,18 @@ class Calibration:
                                 memory_limit=memory_limit, comm_delay=c)
 
 
-def _calibration_round(pipe: "_Pipeline", gen, samples: dict | None) -> None:
+def _calibration_round(pipe: "_Pipeline", gen, samples: dict | None,
+                       stages: bool = True) -> None:
     """One calibration iteration on every rank at once: this rank's stages' forward and backward
-    on one micro-batch (every rank busy, as in a pipeline), then a ping-pong of one activation
-    between each two ranks whose stages exchange messages (lower rank starts and times it; the
-    others wait). Appends the seconds to ``samples`` unless it is None (a warm-up)."""
+    on one micro-batch (every rank busy, as in a pipeline; not when ``stages`` is False), then a
+    ping-pong of one activation between each two ranks whose stages exchange messages (lower
+    rank starts and times it; the others wait). Appends the seconds to ``samples`` unless it is
+    None (a warm-up)."""
     import torch.distributed as dist
 
     cfg, rank = pipe.cfg, pipe.rank
     m, last = cfg.micro_batches, pipe.n_stages - 1
-    mine = sorted(pipe.mine)
+    mine = sorted(pipe.mine) if stages else []
     dist.barrier()
     outs, took = {}, {}
     for s in mine:
@@ -413,29 +447,42 @@ def _calibration_round(pipe: "_Pipeline", gen, samples: dict | None) -> None:
 
 
 def calibrate_worker(rank: int, world: int, cfg: ExecConfig, warmup: int = 3,
-                     iters: int = 10) -> dict:
-    """This rank's samples for :func:`calibrate`: ``warmup`` + ``iters`` calibration rounds
-    (forward and backward of its stages with every rank busy at once, then a ping-pong with
-    the ranks its stages exchange messages with), the first ``warmup`` not recorded."""
+                     iters: int = 10, orders=None) -> dict:
+    """This rank's samples for :func:`calibrate`: ``warmup`` + ``iters`` calibration rounds, the
+    first ``warmup`` not recorded. Without ``orders``: forward and backward of its stages with
+    every rank busy at once, then a ping-pong with the ranks its stages exchange messages with.
+    With ``orders`` (one block order per rank): ``warmup`` + ``iters`` steps of that schedule
+    (receives posted as ``cfg.lookahead`` says), each block's compute time a sample of its
+    stage, then the ping-pongs."""
     if warmup < 0 or iters < 1:
         raise ValueError(f"expected warmup >= 0 and iters >= 1 (got {warmup}, {iters})")
+    if orders is not None and len(orders) != world:
+        raise ValueError(f"orders: expected one order per rank ({world}) (got {len(orders)})")
     pipe = _Pipeline(rank, world, cfg)
     gen = torch.Generator().manual_seed(cfg.seed + 2 + rank)
     samples: dict = {}
     for it in range(warmup + iters):
-        _calibration_round(pipe, gen, samples if it >= warmup else None)
+        if orders is not None:
+            times: dict = {}
+            pipe.step(orders[rank], times, cfg.lookahead)
+            if it >= warmup:
+                for k, v in times.items():
+                    samples.setdefault(k, []).extend(v)
+        _calibration_round(pipe, gen, samples if it >= warmup else None, orders is None)
     return samples
 
 
 def calibrate(cfg: ExecConfig, world: int, *, warmup: int = 3, iters: int = 10,
-              timeout: float = 120.0) -> Calibration:
+              orders=None, timeout: float = 120.0) -> Calibration:
     """Measure ``cfg``'s stages (placed by ``cfg.stage_devices``) on ``world`` gloo workers:
-    medians of :func:`calibrate_worker`'s samples (``cfg.orders`` is not used)."""
-    return calibration_from(spawn(calibrate_worker, world, cfg, warmup, iters, timeout=timeout),
-                            cfg)
+    medians of :func:`calibrate_worker`'s samples, each stage timed on its own or, given
+    ``orders``, inside that schedule's steps (``cfg.orders`` is not used)."""
+    samples = spawn(calibrate_worker, world, cfg, warmup, iters,
+                    None if orders is None else tuple(tuple(o) for o in orders), timeout=timeout)
+    return calibration_from(samples, cfg, "isolated" if orders is None else "pipeline")
 
 
-def calibration_from(per_rank_samples, cfg: ExecConfig) -> Calibration:
+def calibration_from(per_rank_samples, cfg: ExecConfig, source: str = "isolated") -> Calibration:
     """The :class:`Calibration` (medians) of every rank's samples (:func:`calibrate_worker`'s
     results, or the ``"calibration"`` entry of :func:`schedules_worker`'s)."""
     import statistics
@@ -449,7 +496,7 @@ def calibration_from(per_rank_samples, cfg: ExecConfig) -> Calibration:
     b = tuple(statistics.median(samples["B", s]) for s in range(n))
     comm = [v for k, v in samples.items() if k[0] == "comm"]
     c = statistics.median([x for v in comm for x in v]) if comm else 0.0
-    return Calibration(tuple(cfg.stage_devices), cfg.micro_batches, f, b, c, samples)
+    return Calibration(tuple(cfg.stage_devices), cfg.micro_batches, f, b, c, samples, source)
 
 
 def spawn(fn, world: int, *args, timeout: float = 300.0) -> list:

@@ -118,6 +118,41 @@ def test_calibration_problem_in_seconds_and_in_solver_units():
         cal.problem(unit=0)
 
 
+def test_expected_makespan_draws_block_durations_from_the_samples():
+    cal = Calibration(stage_devices=(0, 1), micro_batches=2, forward=(1.0, 1.0),
+                      backward=(2.0, 2.0), comm=0.5,
+                      samples={("F", 0): [1.0], ("F", 1): [1.0], ("B", 0): [2.0],
+                               ("B", 1): [2.0]})
+    orders = one_f_one_b(cal.problem()).orders()
+    # One sample per stage: every draw is the deterministic problem.
+    assert cal.expected_makespan(orders, draws=5) == simulate(cal.problem(), orders).makespan
+    # Stage 1's forward takes 1 or 3 (median 1 in a list 1, 1, 3): on the critical path of
+    # both micro-batches, so the expectation exceeds the makespan of the median costs.
+    noisy = Calibration(cal.stage_devices, 2, (1.0, 1.0), (2.0, 2.0), 0.5,
+                        {**cal.samples, ("F", 1): [1.0, 1.0, 3.0]})
+    e = noisy.expected_makespan(orders, draws=400, seed=1)
+    assert e == noisy.expected_makespan(orders, draws=400, seed=1)  # seeded
+    assert simulate(noisy.problem(), orders).makespan < e < \
+        simulate(Calibration((0, 1), 2, (1.0, 3.0), (2.0, 2.0), 0.5, {}).problem(),
+                 orders).makespan
+
+
+@pytest.mark.slow
+def test_calibration_inside_a_schedule_times_every_block():
+    placement, m = vshape(2), 2
+    cfg = ExecConfig(orders=(), stage_devices=tuple(placement), micro_batches=m, **TINY)
+    orders = greedy(pipeline_problem(placement, micro_batches=m)).orders()
+    try:
+        cal = calibrate(cfg, 2, warmup=1, iters=2, orders=orders, timeout=60)
+    except SpawnError as e:
+        pytest.fail(f"calibration failed: {e}")
+    assert cal.source == "pipeline"
+    assert all(x > 0 for x in cal.forward + cal.backward) and cal.comm > 0
+    # Every timed step gives one sample per micro-batch of every stage's forward and backward.
+    assert all(len(cal.samples[k, s]) == 2 * m for k in "FB" for s in range(4))
+    assert len(cal.samples["comm", 0, 1]) == 2
+
+
 @pytest.fixture(scope="module")
 def v_calibration():
     """The tiny GPT's V-shape (stages on ranks 0, 1, 1, 0) calibrated once on 2 workers."""
@@ -135,6 +170,7 @@ def test_calibration_on_two_workers_gives_a_problem_the_search_takes(v_calibrati
 
     cal = v_calibration
     assert cal.stage_devices == (0, 1, 1, 0) and cal.micro_batches == 4
+    assert cal.source == "isolated"
     assert len(cal.forward) == len(cal.backward) == 4
     assert all(x > 0 for x in cal.forward + cal.backward) and cal.comm > 0
     assert all(len(cal.samples[k, s]) == 3 for k in "FB" for s in range(4))
