@@ -26,7 +26,7 @@ V-shape, while GPipe lost 7 and 0.2 ms (its receivers mostly wait for the messag
 first, no round trip). Posted at the step's start, the same waits were 0.02-0.23 ms (one block
 ahead: 0.02-2.1 ms, too late when blocks are short). With nothing else running, receives at
 the block lost 0.6-22 ms per step on the tight schedules and posted ahead 0.1-3.3 ms; the step
-times differed within the noise on the linear and V placements but were 9-17% longer on the
+times differed within the noise on the linear and V placements but were 7-22% longer on the
 interleaved one, whose every stage boundary crosses ranks (benchmarks/README.md). When the
 receive is posted first, ``isend`` writes the data at once from the sender's thread. The price
 is memory: a rank holds a buffer for every message of the step from its start (``lookahead``
@@ -43,10 +43,10 @@ whose stages exchange messages ping-pongs one activation. The medians give a
 the simulator's prediction) or in integer units (for the z3 search, which needs integers), and
 whose :meth:`~Calibration.expected_makespan` averages the simulated makespan over durations drawn
 from the samples. On the idle 2-core machine, backwards timed inside a greedy schedule's steps
-took 3-9% longer than alone and forwards 13% less to 13% more (likely other stages' weights and
-activations in between, and the gloo threads handling messages on the same two cores), and they
-vary more; a schedule with many nearly critical paths pays for the variance, which the
-deterministic simulation does not see.
+took a median 6% longer than alone (-12% to +11%) and forwards 13% less to 13% more (likely
+other stages' weights and activations in between, and the gloo threads handling messages on the
+same two cores), and they vary more; a schedule with many nearly critical paths pays for the
+variance, which the deterministic simulation does not see.
 """
 
 from __future__ import annotations
