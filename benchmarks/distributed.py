@@ -52,36 +52,30 @@ import numpy as np  # noqa: E402
 METHODS = ("metis", "contiguous", "random")
 
 
-def _rss_bytes() -> int:
+def _status_bytes(field: str = "VmRSS") -> int:
+    """A memory field of /proc/self/status in bytes: ``VmRSS`` (resident now) or ``VmHWM`` (the
+    peak resident set since the process started)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
 
 
 class _PeakSampler:
     def __init__(self, every: float = 0.005):
-        self.peak = _rss_bytes()
+        self.peak = _status_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
         self._thread.start()
 
     def _run(self, every):
         while not self._stop.wait(every):
-            self.peak = max(self.peak, _rss_bytes())
+            self.peak = max(self.peak, _status_bytes())
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
-        return max(self.peak, _rss_bytes())
-
-
-def _hwm_bytes() -> int:
-    """The process's peak resident set since it started (VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+        return max(self.peak, _status_bytes())
 
 
 def _worker(rank, world, folder, args):
@@ -157,7 +151,8 @@ def _worker(rank, world, folder, args):
     med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
     return {"rank": rank, "n": dg.num_nodes, "halo": dg.num_halo, "edges": dg.num_edges,
             "peers": len(dg._halo.need), "piece_bytes": piece, "peak_rss": peak,
-            "hwm": _hwm_bytes(), "intervals": engine.last_run["num_intervals"] if engine else 1,
+            "hwm": _status_bytes("VmHWM"),
+            "intervals": engine.last_run["num_intervals"] if engine else 1,
             **med}
 
 
