@@ -117,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
                         "torchrun the launcher's count is used)")
     t.add_argument("--partition", choices=("metis", "contiguous", "random"), default="metis",
                    help="how the vertices are split over the workers (default metis)")
+    t.add_argument("--exchange", choices=("halo", "ring"), default="halo",
+                   help="with several workers: how vertex values cross the cut: halo (the rows "
+                        "each worker needs, default) or ring (NGra's chunk sharing: every "
+                        "worker's rows circulate around a ring, overlapped with compute)")
     t.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="with --workers: restart the workers up to N times when one fails, as "
                         "torchrun --max-restarts does; with --checkpoint they resume from it")
@@ -220,7 +224,7 @@ def _train(args) -> int:
         normalize_features=args.normalize_features, checkpoint=args.checkpoint, resume=args.resume,
         checkpoint_every=args.checkpoint_every, memory_budget=args.memory_budget,
         num_chunks=args.num_chunks, progress=args.progress, log_every=args.log_every,
-        partition=args.partition, save_model=args.save_model if info.rank == 0 else None)
+        partition=args.partition, exchange=args.exchange, save_model=args.save_model if info.rank == 0 else None)
     metrics_path = Path(args.metrics_json) if args.metrics_json else None
     if metrics_path is not None:
         _check_writable(metrics_path)

@@ -150,6 +150,10 @@ class TrainConfig:
       the split seed.
     - ``partition``: how the vertices are split when several workers run (``torchrun`` or
       ``ngra train --workers K``): ``"metis"``, ``"contiguous"`` or ``"random"``.
+    - ``exchange``: how the workers exchange the vertex values their layers read across the
+      cut: ``"halo"`` (the rows each needs) or ``"ring"`` (NGra's chunk sharing: every worker's
+      rows circulate around a ring while each worker computes on the block it holds; see
+      :mod:`ngra.distributed.ring`).
     - ``save_model``: a file to write the selected weights to at the end, with what rebuilding
       the model needs (see :mod:`ngra.modelfile`; ``ngra evaluate`` / ``ngra predict`` read it).
     """
@@ -179,6 +183,7 @@ class TrainConfig:
     progress: bool = True
     log_every: int = 0
     partition: str = "metis"
+    exchange: str = "halo"
     save_model: str | os.PathLike | None = None
 
     def hparams(self) -> HParams:
@@ -1294,10 +1299,14 @@ def _distribute(config: TrainConfig, data, kwargs: dict, device):
     from .datasets.stored import StoredDataset
     from .distributed import PARTITION_METHODS, DistGraph, Transport, partition
     from .distributed.launch import init_from_env, local_record
+    from .distributed.ring import EXCHANGE_MODES
 
     if config.partition not in PARTITION_METHODS:
         raise ConfigError(f"partition must be one of {list(PARTITION_METHODS)} "
                           f"(got {config.partition!r})")
+    if config.exchange not in EXCHANGE_MODES:
+        raise ConfigError(f"exchange must be one of {list(EXCHANGE_MODES)} "
+                          f"(got {config.exchange!r})")
     stored = isinstance(data, StoredDataset)
     if stored and config.partition != "metis":
         raise ConfigError(f"--partition {config.partition} does not apply to the stored dataset "
@@ -1317,6 +1326,7 @@ def _distribute(config: TrainConfig, data, kwargs: dict, device):
         parts = partition(data.graph, info.world_size, method=config.partition, seed=config.seed)
         local = local_record(data, DistGraph.from_global(data.graph, parts,
                                                          Transport(device=device)))
+    local.graph = local.graph.with_exchange(config.exchange)
     dg, num_edges = local.graph, data.graph.num_edges
     edge_rows = {k: v[dg.edge_ids.to(v.device)] if v.dim() and v.shape[0] == num_edges else v
                  for k, v in kwargs.items()}

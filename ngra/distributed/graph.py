@@ -93,6 +93,19 @@ class _Halo:
         self.n = n
         self.need = need
         self.plans: dict = {}
+        self._sizes = None
+        # The ring mode's transfers (every Ring of a piece and of the graphs derived from it).
+        self.ring_stats = {"passes": 0, "wait_s": 0.0, "bytes_in": 0, "bytes_out": 0}
+
+    def sizes(self) -> list[int]:
+        """Every worker's number of own vertices (collective on first use)."""
+        if self._sizes is None:
+            t = self.transport
+            every = [torch.zeros(1, dtype=torch.int64) for _ in range(t.world_size)]
+            t._collective("sizes", dist.all_gather, every,
+                          torch.tensor([self.n], dtype=torch.int64), group=t._cpu_group)
+            self._sizes = [int(x) for x in every]
+        return self._sizes
 
     def plan(self, row_shape: tuple, dtype: torch.dtype):
         key = (row_shape, dtype)
@@ -193,12 +206,16 @@ class DistGraph(Graph):
     ``x[dg.global_ids]`` are its rows of a global vertex tensor) and ``edge_ids`` [E_local] the
     global ids of its edges (``feat[dg.edge_ids]``: its rows of an edge tensor)."""
 
-    __slots__ = ("_num_src", "_halo", "global_ids", "edge_ids", "halo_ids", "store_rows")
+    __slots__ = ("_num_src", "_halo", "global_ids", "edge_ids", "halo_ids", "store_rows",
+                 "exchange", "_ring")
 
     @classmethod
-    def from_global(cls, g: Graph, parts, transport: Transport) -> "DistGraph":
+    def from_global(cls, g: Graph, parts, transport: Transport, *,
+                    exchange: str = "halo") -> "DistGraph":
         """This worker's piece of ``g`` under the vertex assignment ``parts`` [N] (every worker
-        passes the same ``g`` and ``parts``; see :func:`partition`)."""
+        passes the same ``g`` and ``parts``; see :func:`partition`). ``exchange``: how source
+        values reach the worker, ``"halo"`` or ``"ring"`` (:meth:`with_exchange`)."""
+        _check_exchange(exchange)
         if not isinstance(g, Graph):
             raise TypeError(f"DistGraph.from_global: expected an ngra.Graph (got "
                             f"{type(g).__name__})")
@@ -240,10 +257,11 @@ class DistGraph(Graph):
                        _Halo(transport, n, need))
         dg.global_ids, dg.edge_ids, dg.halo_ids = own.to(g.device), eids.to(g.device), \
             halo.to(g.device)
+        dg.exchange = exchange
         return dg
 
     @classmethod
-    def from_store(cls, store, transport: Transport) -> "DistGraph":
+    def from_store(cls, store, transport: Transport, *, exchange: str = "halo") -> "DistGraph":
         """This worker's piece of the graph in chunk store ``store`` (a
         :class:`partition.ChunkStore` or its path), reading only its own edges.
 
@@ -255,9 +273,10 @@ class DistGraph(Graph):
         ids (``x[dg.global_ids]`` are its rows of a tensor in the graph's original order) and
         ``edge_ids`` the original edge ids. The ordering (8 bytes per vertex) is read whole; a
         vertex array's rows are :meth:`read_rows` away. Same results as :meth:`from_global`
-        with the assignment :meth:`store_parts` gives."""
+        with the assignment :meth:`store_parts` gives. ``exchange`` as in :meth:`from_global`."""
         from partition import ChunkStore
 
+        _check_exchange(exchange)
         if not isinstance(store, ChunkStore):
             store = ChunkStore.open(store, verify="lazy", mmap=False)
         K, r = transport.world_size, transport.rank
@@ -295,6 +314,7 @@ class DistGraph(Graph):
         dg.halo_ids = torch.from_numpy(perm[halo].astype(np.int64))
         dg.edge_ids = torch.from_numpy(e)
         dg.store_rows = (lo, hi)
+        dg.exchange = exchange
         return dg
 
     @staticmethod
@@ -332,14 +352,41 @@ class DistGraph(Graph):
         dg = cls.__new__(cls)
         dg._src, dg._dst, dg._num_nodes, dg._in_csr = src, dst, int(n), None
         dg._num_src, dg._halo = int(num_src), halo
-        dg.global_ids = dg.edge_ids = dg.halo_ids = dg.store_rows = None
+        dg.global_ids = dg.edge_ids = dg.halo_ids = dg.store_rows = dg._ring = None
+        dg.exchange = "halo"
         return dg
 
     def _derive(self, src, dst, edge_ids) -> "DistGraph":
         dg = DistGraph._make(src, dst, self._num_nodes, self._num_src, self._halo)
         dg.global_ids, dg.halo_ids, dg.edge_ids = self.global_ids, self.halo_ids, edge_ids
-        dg.store_rows = self.store_rows
+        dg.store_rows, dg.exchange = self.store_rows, self.exchange
         return dg
+
+    def with_exchange(self, mode: str) -> "DistGraph":
+        """The same piece with another exchange mode (the halo rows' plans are shared):
+
+        - ``"halo"``: a layer's source values reach the worker as exactly the halo rows it
+          needs, pulled from their owners (:mod:`ngra.distributed.transport`);
+        - ``"ring"``: NGra's chunk sharing; every worker's rows circulate around a ring and a
+          sum / mean Gather runs chunk by chunk as they pass, overlapping the transfers
+          (:mod:`ngra.distributed.ring`). Streamed layers (``ngra.Engine`` on this piece)
+          exchange their source operands as in the halo mode.
+
+        Results are the same in both (to float rounding: the ring adds a Gather's partial sums
+        chunk by chunk)."""
+        _check_exchange(mode)
+        dg = self._derive(self._src, self._dst, self.edge_ids)
+        dg.exchange = mode
+        return dg
+
+    def ring(self):
+        """The :class:`~ngra.distributed.ring.Ring` of this piece (made on first use;
+        collective)."""
+        if self._ring is None:
+            from .ring import Ring
+
+            self._ring = Ring(self)
+        return self._ring
 
     # -- what differs from a Graph ----------------------------------------------------------
     @property
@@ -352,17 +399,40 @@ class DistGraph(Graph):
         return self._num_src - self._num_nodes
 
     @property
+    def halo_owner(self) -> torch.Tensor:
+        """[num_halo] int64: the rank that owns each halo row (rows are grouped by owner, in
+        rank order)."""
+        need = self._halo.need
+        ranks = sorted(need)
+        counts = torch.tensor([need[p].numel() for p in ranks], dtype=torch.int64)
+        return torch.repeat_interleave(torch.tensor(ranks, dtype=torch.int64), counts)
+
+    @property
+    def halo_local_ids(self) -> torch.Tensor:
+        """[num_halo] int64: each halo row's id among its owner's vertices."""
+        need = self._halo.need
+        return torch.cat([need[p].cpu() for p in sorted(need)]) if need else \
+            torch.zeros(0, dtype=torch.int64)
+
+    @property
     def transport(self) -> Transport:
         return self._halo.transport
 
     def exchange_stats(self) -> dict:
         """Totals over this piece's exchange plans so far: ``pulls``, ``pushes``, seconds
         ``pull_s`` / ``push_s`` / ``wait_s``, CPU seconds ``cpu_s`` and ``bytes_in`` /
-        ``bytes_out`` (rows crossing to or from other workers, forward and backward)."""
+        ``bytes_out`` (rows crossing to or from other workers, forward and backward); in ring
+        mode also ``ring_passes`` (blocks sent around the ring), with the ring's waits and
+        bytes added to ``wait_s`` and ``bytes_in`` / ``bytes_out``."""
         out: dict = {}
         for plan in self._halo.plans.values():
             for k, v in plan.stats.items():
                 out[k] = out.get(k, 0) + v
+        ring = self._halo.ring_stats
+        if ring["passes"]:
+            out["ring_passes"] = ring["passes"]
+            for k in ("wait_s", "bytes_in", "bytes_out"):
+                out[k] = out.get(k, 0) + ring[k]
         return out
 
     def in_csr(self):
@@ -379,6 +449,10 @@ class DistGraph(Graph):
         compiled layer about to run) is first checked to act row by row."""
         if program is not None:
             _check_distributable(program)
+        if self.exchange == "ring":
+            from .ring import RingOps
+
+            return RingOps(self.in_csr(), backend, self.ring())
         return DistOps(self.in_csr(), backend, self._halo)
 
     def check_program(self, program) -> None:
@@ -433,6 +507,15 @@ class DistGraph(Graph):
         t = self._halo.transport
         return (f"DistGraph(rank={t.rank}/{t.world_size}, num_nodes={self._num_nodes}, "
                 f"num_halo={self.num_halo}, num_edges={self.num_edges})")
+
+
+def _check_exchange(mode) -> None:
+    from .ring import EXCHANGE_MODES
+
+    if mode not in EXCHANGE_MODES:
+        raise ValueError(f"exchange must be one of {list(EXCHANGE_MODES)} (got {mode!r}): "
+                         "'halo' pulls the rows each worker needs, 'ring' circulates every "
+                         "worker's rows around a ring (NGra's chunk sharing)")
 
 
 def sync_gradients(module: torch.nn.Module, group=None) -> None:

@@ -27,15 +27,16 @@ def _train(tmp_path, name, *extra):
     return json.loads(out.read_text()), res.stdout
 
 
-@pytest.mark.parametrize("model,workers,partition,stream", [
+@pytest.mark.parametrize("model,workers,partition,extra", [
     ("gcn", 2, "metis", ()), ("sage", 3, "random", ()),
-    ("gat", 2, "contiguous", ("--num-chunks", "3"))])
-def test_workers_train_like_one_process(tmp_path, model, workers, partition, stream):
-    """``stream``: each worker streams its piece through the engine (the one process does not)."""
+    ("gat", 2, "contiguous", ("--num-chunks", "3")), ("gat", 3, "metis", ("--exchange", "ring"))])
+def test_workers_train_like_one_process(tmp_path, model, workers, partition, extra):
+    """``--num-chunks``: each worker streams its piece through the engine (the one process does
+    not); ``--exchange ring``: NGra's ring chunk sharing instead of the halo exchange."""
     one, _ = _train(tmp_path, "one", "--model", model, "--save-model", str(tmp_path / "one.pt"))
     many, stdout = _train(tmp_path, "many", "--model", model, "--workers", str(workers),
                           "--partition", partition, "--save-model", str(tmp_path / "many.pt"),
-                          *stream)
+                          *extra)
     assert stdout.count(f"{model} on sbm:") == 1  # only rank 0 reports
     assert len(one["history"]) == len(many["history"]) == 4
     for a, b in zip(one["history"], many["history"]):

@@ -1,0 +1,232 @@
+"""NGra's multi-device chunk sharing: source blocks circulate around a ring of workers.
+
+The second exchange mode of a :class:`~ngra.distributed.DistGraph` (``exchange="ring"``; the
+first, ``"halo"``, pulls exactly the halo rows each worker needs from their owners). Worker r
+owns destination vertices and their in-edges, as in the halo mode; its in-edges are cut by the
+owner of their source into K *chunks* (chunk o: the edges whose source worker o owns, a
+bipartite CSR from worker o's ``n_o`` vertices to worker r's). A source operand ``u`` (each
+worker's own rows of it, a *block*) then travels around the ring r -> r + 1: at step s worker r
+holds the block of worker ``(r - s) mod K``, computes its chunk of that block while the block
+goes on to r + 1 and the next one comes in from r - 1 (double-buffered: two blocks live, the one
+computed on and the one arriving), and after K - 1 steps it has seen every block. Every block
+crosses every link once, so each worker receives ``sum_{o != r} n_o`` rows per operand, against
+the halo mode's halo rows only: the ring moves more bytes on a well-partitioned graph, but needs
+no row lists, no gather on the sender, and its transfers overlap compute by construction.
+
+Which ops compute chunk by chunk (:class:`RingOps`): a g-SpMM with a sum or mean reducer reading
+``u`` (``copy_u``, ``u_mul_e``, ...): each chunk's partial sum is added as its block arrives (a
+mean divides by the whole in-degree at the end). Partial sums are added in another order than
+the single-process kernel adds the same products, so results agree to float rounding (about
+1e-7 relative in float32), not bit for bit. Everything else that reads ``u`` (a g-SDDMM, a max or
+min reducer, whose gradient goes to the smallest edge id among ties over all the in-edges, an
+explicit Scatter) needs the whole ``[u; halo rows]`` at once: the blocks still come around the
+ring and the halo rows are picked from them as they pass, then the op runs once, exactly as in
+the halo mode (bit for bit).
+
+Backward runs the ring the other way: a block's gradient follows the block back, each worker
+adding its chunks' contributions, so after K - 1 steps it is home (autograd chains the steps;
+:class:`_RingStep`). Backward waits for each step (its transfers do not overlap the chunks'
+gradient kernels).
+
+Transfers are torch.distributed point-to-point (``isend`` / ``irecv`` on the transport's group:
+gloo on CPU, NCCL on GPU), one pair per step with the two ring neighbours, every wait bounded by
+the transport's timeout (a dead or hung neighbour raises :class:`TransportError` naming it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+import kernels
+from ..executor import GraphOps
+from .transport import TransportError
+
+__all__ = ["Ring", "RingOps", "EXCHANGE_MODES"]
+
+EXCHANGE_MODES = ("halo", "ring")
+_CHUNKED_REDUCERS = ("sum", "mean")
+
+
+class _Handle:
+    """One step's transfers in flight: the block going to r + 1 and the one coming from r - 1."""
+
+    def __init__(self, ring: "Ring", works: list, recv: torch.Tensor, what: str):
+        self.ring, self.works, self.recv, self.what = ring, works, recv, what
+
+    def wait(self) -> torch.Tensor:
+        ring = self.ring
+        start = time.perf_counter()
+        limit = datetime.timedelta(seconds=ring.transport.timeout)
+        try:
+            for w in self.works:
+                w.wait(limit)
+        except RuntimeError as e:
+            raise TransportError(
+                f"rank {ring.rank}: ring {self.what} failed waiting for neighbour rank "
+                f"{ring.prev} or {ring.next} (timeout {ring.transport.timeout:g} s): a worker "
+                f"died, hung, or did not run the same layers: {e}") from e
+        ring.stats["wait_s"] += time.perf_counter() - start
+        return self.recv
+
+
+class Ring:
+    """The ring of one worker's piece: its neighbours, every worker's vertex count, and the
+    piece's in-edges cut into per-owner chunks (made on first use; collective, since every
+    worker runs the same layers)."""
+
+    def __init__(self, dg):
+        t = dg.transport
+        self.transport = t
+        self.rank, self.world = t.rank, t.world_size
+        K = self.world
+        self.next, self.prev = (self.rank + 1) % K, (self.rank - 1) % K
+        self.sizes = dg._halo.sizes()
+        n = dg.num_nodes
+        src, dst = dg.src.cpu(), dg.dst.cpu()
+        own = src < n
+        owner = torch.full_like(src, self.rank)
+        local = src.clone()
+        if dg.num_halo:
+            h = src[~own] - n
+            owner[~own] = dg.halo_owner[h]
+            local[~own] = dg.halo_local_ids[h]
+        dev = dg.device
+        # owner -> (CSR from the owner's rows to mine, positions of its edges among the piece's).
+        # Every owner has one, empty or not, so that every worker builds the same autograd
+        # graph: backward's ring steps then run in the same order everywhere.
+        self.chunks: dict[int, tuple] = {}
+        for o in range(K):
+            pos = torch.nonzero(owner == o).flatten()
+            csr = kernels.CSR.from_coo(local[pos].to(dev), dst[pos].to(dev), (self.sizes[o], n))
+            self.chunks[o] = (csr, pos.to(dev))
+        self.in_degree = torch.bincount(dst, minlength=n).to(dev)
+        # The halo rows (grouped by owner, ascending) as rows of each owner's block.
+        ho, hl = dg.halo_owner, dg.halo_local_ids
+        self.halo_rows = {o: hl[ho == o].to(dev) for o in range(K) if o != self.rank}
+        self.stats = dg._halo.ring_stats  # shared by the pieces derived from one
+        self._peer = (lambda p: dist.get_global_rank(t.group, p)) if t.group is not None \
+            else (lambda p: p)
+
+    def post(self, block: torch.Tensor, owner_next: int, what: str) -> _Handle:
+        """Send ``block`` to the next worker and receive the block of worker ``owner_next``
+        from the previous one (both posted, not waited for)."""
+        block = block.contiguous()
+        recv = torch.empty((self.sizes[owner_next], *block.shape[1:]), dtype=block.dtype,
+                           device=block.device)
+        return _Handle(self, self._transfer(block, recv, self.next, self.prev, what), recv, what)
+
+    def _transfer(self, send: torch.Tensor, recv: torch.Tensor, to: int, frm: int,
+                  what: str) -> list:
+        """Post ``send`` -> rank ``to`` and ``recv`` <- rank ``frm``; empty ones are skipped
+        (both ends know every block's size, so they skip the same ones)."""
+        g = self.transport.group
+        works = []
+        try:
+            if send.numel():
+                works.append(dist.isend(send, self._peer(to), group=g))
+            if recv.numel():
+                works.append(dist.irecv(recv, self._peer(frm), group=g))
+        except RuntimeError as e:
+            raise TransportError(f"rank {self.rank}: ring {what}: posting the transfer to rank "
+                                 f"{to} / from rank {frm} failed: {e}") from e
+        self.stats["bytes_out"] += send.numel() * send.element_size()
+        self.stats["bytes_in"] += recv.numel() * recv.element_size()
+        return works
+
+    def blocks(self, u: torch.Tensor):
+        """Yield ``(owner, block)`` for every worker's block of ``u`` in ring order (own block
+        first). While the caller works on a block, the next one is already in flight; blocks
+        after the first are differentiable functions of ``u`` across the workers
+        (:class:`_RingStep`)."""
+        if u.shape[0] != self.sizes[self.rank]:
+            raise ValueError(f"a source operand must have one row per vertex of this worker "
+                             f"({self.sizes[self.rank]}) (got shape {tuple(u.shape)})")
+        K, r = self.world, self.rank
+        self.stats["passes"] += 1
+        cur = u
+        for s in range(K):
+            owner = (r - s) % K
+            handle = self.post(cur.detach(), (r - s - 1) % K, "forward") if s < K - 1 else None
+            yield owner, cur
+            if handle is not None:
+                cur = _RingStep.apply(cur, _Box(handle.wait(), self))
+
+    def extend(self, u: torch.Tensor) -> torch.Tensor:
+        """``[u; halo rows of u]`` (the halo mode's layout), the halo rows picked from the blocks
+        as they come around the ring."""
+        parts = {}
+        for owner, block in self.blocks(u):
+            if owner != self.rank:
+                # Every owner's rows, even none: the same autograd graph on every worker.
+                parts[owner] = block.index_select(0, self.halo_rows[owner])
+        return torch.cat([u, *(parts[o] for o in sorted(parts))], 0)
+
+
+class _Box:
+    """A received block, carried past autograd's input handling (it is the step's output)."""
+
+    __slots__ = ("tensor", "ring")
+
+    def __init__(self, tensor, ring):
+        self.tensor, self.ring = tensor, ring
+
+
+class _RingStep(torch.autograd.Function):
+    """``cur`` (the block this worker holds) -> the block received from the previous worker,
+    which is that worker's ``cur``. Backward: the received block's gradient goes back to the
+    previous worker, and the next worker's gradient for our ``cur`` comes in."""
+
+    @staticmethod
+    def forward(ctx, cur, box: _Box):
+        ctx.ring = box.ring
+        ctx.cur_shape = cur.shape
+        return box.tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        ring = ctx.ring
+        grad = grad.contiguous()
+        back = torch.empty(ctx.cur_shape, dtype=grad.dtype, device=grad.device)
+        works = ring._transfer(grad, back, ring.prev, ring.next, "backward")
+        _Handle(ring, works, back, "backward").wait()
+        return back, None
+
+
+class RingOps(GraphOps):
+    """Graph ops of a worker in ring mode (see the module docstring)."""
+
+    def __init__(self, csr, backend: str, ring: Ring):
+        super().__init__(csr, backend)
+        self.ring = ring
+        self._extended: dict[int, tuple] = {}
+
+    def _extend(self, u):
+        if u is None:
+            return None
+        hit = self._extended.get(id(u))
+        if hit is None or hit[0] is not u:
+            hit = self._extended[id(u)] = (u, self.ring.extend(u))
+        return hit[1]
+
+    def gsddmm(self, op, u, v, e):
+        return super().gsddmm(op, self._extend(u), v, e)
+
+    def gspmm(self, op, reduce, u, e):
+        if u is None:
+            return super().gspmm(op, reduce, None, e)
+        if reduce not in _CHUNKED_REDUCERS:
+            return super().gspmm(op, reduce, self._extend(u), e)
+        out = None
+        for owner, block in self.ring.blocks(u):
+            csr, pos = self.ring.chunks[owner]
+            ec = None if e is None else e.index_select(0, pos)
+            part = kernels.gspmm(csr, op, "sum", u=block, e=ec, backend=self.backend)
+            out = part if out is None else out + part
+        if reduce == "mean":
+            deg = self.ring.in_degree.clamp(min=1).to(out.dtype)
+            out = out / deg.view(-1, *([1] * (out.dim() - 1)))
+        return out
