@@ -21,25 +21,13 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.nn.functional as F
 
 from .ir import IR, Node, function_name, map_nodes
+from .ops import TENSOR_META, module_pure, module_rows, torch_op, writes_in_place
 
 __all__ = ["dce", "cse", "lift", "fuse", "optimize", "PASSES", "row_mixing", "mixing_reason"]
 
 # --- purity -------------------------------------------------------------------------------------
-_RANDOM = {"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d",
-           "dropout3d", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like",
-           "bernoulli", "multinomial", "normal", "poisson", "randperm", "rrelu", "gumbel_softmax",
-           "uniform_", "normal_", "exponential_", "geometric_", "cauchy_", "log_normal_"}
-_PURE_MODULES = (
-    torch.nn.Linear, torch.nn.Identity, torch.nn.ReLU, torch.nn.LeakyReLU, torch.nn.ELU,
-    torch.nn.SELU, torch.nn.CELU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Sigmoid, torch.nn.Tanh,
-    torch.nn.Softplus, torch.nn.Softsign, torch.nn.Hardtanh, torch.nn.ReLU6, torch.nn.Mish,
-    torch.nn.LayerNorm, torch.nn.PReLU, torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.Flatten,
-)
-
-
 def _short(n: Node) -> str:
     if n.op == "call_method":
         return n.target
@@ -49,14 +37,16 @@ def _short(n: Node) -> str:
 
 
 def is_pure(n: Node) -> bool:
-    """No side effects and no randomness: safe to drop when unused and to merge with a twin."""
+    """No side effects and no randomness: safe to drop when unused and to merge with a twin
+    (the facts: :mod:`ngra.ops`)."""
     if n.op in ("input", "output"):
         return n.op == "input"
     if n.op == "call_module":
-        return isinstance(n.value, _PURE_MODULES)
+        return module_pure(n.value)
     if n.op in ("call_function", "call_method"):
         name = _short(n)
-        if name in _RANDOM or name.endswith("_") or "out" in n.kwargs or n.kwargs.get("inplace"):
+        op = torch_op(name)
+        if op is not None and op.random or writes_in_place(name, n.kwargs):
             return False
         if n.op == "call_function":
             mod = getattr(n.target, "__module__", "") or ""
@@ -135,57 +125,11 @@ def cse(ir: IR) -> IR:
 
 
 # --- row-wise ops -------------------------------------------------------------------------------
-# An allow-list: an op is row-wise only if it is listed here *and* its arguments keep dim 0 out of
-# it (reductions, softmax, cat ... over a non-zero dim; views that keep dim 0 first). Anything else
-# (user functions, unknown modules, reductions / scans / permutations over dim 0, batch norm in
-# training, random draws other than dropout) counts as mixing rows.
-_UNARY = {"relu", "sigmoid", "tanh", "exp", "log", "abs", "neg", "sqrt", "rsqrt", "square", "sin",
-          "cos", "erf", "leaky_relu", "elu", "gelu", "silu", "selu", "celu", "softplus", "mish",
-          "hardtanh", "relu6", "clamp", "clip", "float", "double", "half", "bfloat16", "to",
-          "contiguous", "reciprocal", "sign", "log1p", "expm1", "logsigmoid", "softsign",
-          "tanhshrink", "hardsigmoid", "hardswish", "tan", "asin", "acos", "atan", "sinh", "cosh",
-          "asinh", "acosh", "atanh", "exp2", "log2", "log10", "floor", "ceil", "round", "trunc",
-          "frac", "erfc", "erfinv", "logit", "sgn", "positive", "isnan", "isinf", "isfinite",
-          "logical_not", "bitwise_not", "invert", "nan_to_num", "clone", "detach", "long", "int",
-          "bool", "type", "clamp_min", "clamp_max", "threshold", "hardshrink", "softshrink",
-          "relu_", "sigmoid_", "tanh_"}
-_BINARY = {"add", "sub", "mul", "div", "truediv", "pow", "maximum", "minimum", "floordiv",
-           "remainder", "fmod", "mod", "atan2", "hypot", "eq", "ne", "lt", "le", "gt", "ge",
-           "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or",
-           "bitwise_xor", "and_", "or_", "xor", "where", "masked_fill", "lerp", "addcmul",
-           "addcdiv", "rsub", "true_divide", "floor_divide", "multiply", "subtract", "divide",
-           "fmax", "fmin", "copysign", "xlogy"}
-# name -> (position of the dim argument after the tensor, keyword, default: None = all dims)
-_DIM_ARG = {
-    "sum": (0, "dim", None), "mean": (0, "dim", None), "nansum": (0, "dim", None),
-    "nanmean": (0, "dim", None), "amax": (0, "dim", None), "amin": (0, "dim", None),
-    "prod": (0, "dim", None), "logsumexp": (0, "dim", None), "var": (0, "dim", None),
-    "std": (0, "dim", None), "all": (0, "dim", None), "any": (0, "dim", None),
-    "argmax": (0, "dim", None), "argmin": (0, "dim", None), "max": (0, "dim", None),
-    "min": (0, "dim", None), "median": (0, "dim", None), "count_nonzero": (0, "dim", None),
-    "norm": (1, "dim", None), "softmax": (0, "dim", None), "log_softmax": (0, "dim", None),
-    "softmin": (0, "dim", None), "normalize": (1, "dim", 1), "cumsum": (0, "dim", None),
-    "cumprod": (0, "dim", None), "cummax": (0, "dim", None), "cummin": (0, "dim", None),
-    "logcumsumexp": (0, "dim", None), "sort": (0, "dim", -1), "argsort": (0, "dim", -1),
-    "topk": (1, "dim", -1), "kthvalue": (1, "dim", -1), "glu": (0, "dim", -1),
-    "squeeze": (0, "dim", None), "flatten": (0, "start_dim", 0), "unflatten": (0, "dim", None),
-    "chunk": (1, "dim", 0), "split": (1, "dim", 0), "unbind": (0, "dim", 0),
-    "narrow": (0, "dim", None), "select": (0, "dim", None), "index_select": (0, "dim", None),
-    "diff": (1, "dim", -1), "flip": (0, "dims", None), "roll": (1, "dims", None),
-}
-_META = {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad", "is_sparse"}
-_ROWWISE_MODULES = (
-    torch.nn.Linear, torch.nn.Bilinear, torch.nn.Identity, torch.nn.ReLU, torch.nn.LeakyReLU,
-    torch.nn.ELU, torch.nn.SELU, torch.nn.CELU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Sigmoid,
-    torch.nn.Tanh, torch.nn.Softplus, torch.nn.Softsign, torch.nn.Hardtanh, torch.nn.ReLU6,
-    torch.nn.Mish, torch.nn.PReLU, torch.nn.Hardsigmoid, torch.nn.Hardswish, torch.nn.LogSigmoid,
-    torch.nn.Tanhshrink, torch.nn.Softshrink, torch.nn.Hardshrink, torch.nn.Threshold,
-    torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.Embedding, torch.nn.RNNCell,
-    torch.nn.GRUCell, torch.nn.LSTMCell, torch.nn.Dropout,
-    *([torch.nn.RMSNorm] if hasattr(torch.nn, "RMSNorm") else []),
-)
-_DIM_MODULES = {torch.nn.Softmax: "dim", torch.nn.LogSoftmax: "dim", torch.nn.Softmin: "dim",
-                torch.nn.GLU: "dim", torch.nn.Flatten: "start_dim", torch.nn.Unflatten: "dim"}
+# An allow-list (ngra.ops): an op is row-wise only if the table names a rule for it *and* that
+# rule finds its arguments keep dim 0 out of it (reductions, softmax, cat ... over a non-zero dim;
+# views that keep dim 0 first). Anything else (user functions, unknown modules, reductions /
+# scans / permutations over dim 0, batch norm in training, random draws other than dropout)
+# counts as mixing rows.
 
 
 def _arg(n: Node, pos: int, kw: str, default=None):
@@ -271,140 +215,184 @@ def mixing_reason(n: Node, rows: str) -> str | None:
     return reason
 
 
+def _module_mixing(n: Node) -> str | None:
+    m = n.value
+    if n.kwargs or any(isinstance(a, Node) and _is_tensor_node(a) and not _rows(a)
+                       and a.domain != "param" for a in n.args):
+        return f"{type(m).__name__} reads a value that has no row per edge"
+    ins = [a for a in n.args if _rows(a)]
+    ndim = _ndim(ins[0]) if ins else None
+    spec = module_rows(m)
+    if spec is None:
+        return f"{type(m).__name__} is not known to act row by row"
+    if spec.rows == "stats":
+        if m.training or not m.track_running_stats:
+            return (f"{type(m).__name__} in training mode normalizes with the mean and "
+                    "variance over all edges")
+        return None
+    if spec.rows == "dim":
+        if _nonzero_dims(getattr(m, spec.dim_attr), ndim):
+            return None
+        return f"{type(m).__name__}({spec.dim_attr}={getattr(m, spec.dim_attr)!r}) acts over dim 0"
+    if ndim is not None and ndim < 2 and not spec.vector_rows:
+        return f"{type(m).__name__} on a 1-d value treats it as one sample"
+    return None
+
+
+# One function per rule of ngra.ops.ROW_RULES: (call node, its table entry, the name it was called
+# by) -> why it mixes rows, or None.
+def _always(n, op, name):
+    return None
+
+
+def _getattr_rule(n, op, name):
+    return None if n.args[1:] and n.args[1] in TENSOR_META else \
+        f"getattr {n.args[1:]!r} of a per-edge value is not known to keep its rows"
+
+
+def _getitem_rule(n, op, name):
+    return _index_problem(n, n.args[0] if n.args else None, n.args[1])
+
+
+def _size_rule(n, op, name):
+    d = _arg(n, 0, "dim")
+    if d is None or _nonzero_dims(d, _ndim(n.args[0] if n.args else None)):
+        return None
+    return "reads the number of edges (x.size(0)), which streamed is a column's; use -1"
+
+
+def _elementwise(n, op, name):
+    return _broadcast_problem(n, n.inputs())
+
+
+def _like(n, op, name):
+    return None if _rows(n.args[1]) else f"{name} of a value with no row per edge"
+
+
+def _matmul(n, op, name):
+    x = n.args[0] if n.args else None
+    xdim = _ndim(x)
+    w = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
+    if not (_rows(x) and (xdim or 0) >= 2):
+        return f"{name} does not keep the rows of a per-edge value as its first operand"
+    others = [a for a in n.inputs() if a is not x]
+    if name == "linear" and all(a.domain == "param" for a in others):
+        return None
+    if name in ("matmul", "mm") and isinstance(w, Node) and w.domain == "param" and \
+            w.shape is not None and len(w.shape) <= 2:
+        return None
+    if name in ("matmul", "bmm") and _rows(w) and _ndim(w) == xdim and xdim >= 3:
+        return None  # batched over the rows
+    return f"{name} with these operands combines rows"
+
+
+def _embedding(n, op, name):
+    x = n.args[0] if n.args else None
+    return None if _rows(x) and all(a.domain == "param" for a in n.inputs() if a is not x) \
+        else "embedding of a value with no row per edge"
+
+
+def _cat(n, op, name):
+    parts = n.args[0] if n.args else n.kwargs.get("tensors")
+    if not isinstance(parts, (list, tuple)) or not parts or not all(_rows(a) for a in parts):
+        return f"{name} of values that do not all have one row per edge"
+    if len({_ndim(a) for a in parts}) != 1:
+        return f"{name} of values of different ranks"
+    d = _arg(n, 0, "dim", 0)
+    if _nonzero_dims(d, _ndim(parts[0]) + (name == "stack")):
+        return None
+    return f"{name} along dim 0 (dim={d!r}) appends rows"
+
+
+# The rules below apply to a first operand with rows only (otherwise: not known to be row-wise).
+def _reshape(n, op, name):
+    x = n.args[0]
+    shape = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) else \
+        n.args[1:]
+    shape = n.kwargs.get("shape", shape)
+    if shape and shape[0] == -1 and all(isinstance(d, int) for d in shape) and \
+            -1 not in shape[1:] and all(isinstance(d, int) for d in x.shape[1:]) and \
+            torch.Size(shape[1:]).numel() == torch.Size(x.shape[1:]).numel():
+        return None
+    return (f"{name}{tuple(shape)!r} does not keep one row per edge; write "
+            f"{name}(-1, <feature sizes>)")
+
+
+def _unsqueeze(n, op, name):
+    return None if _nonzero_dims(_arg(n, 0, "dim"), (_ndim(n.args[0]) or 0) + 1) else \
+        "unsqueeze(0) puts all edges in one row"
+
+
+def _swap(n, op, name):
+    return None if _nonzero_dims((_arg(n, 0, "dim0"), _arg(n, 1, "dim1")), _ndim(n.args[0])) \
+        else f"{name} moves dim 0"
+
+
+def _move(n, op, name):
+    dims = (_arg(n, 0, "source"), _arg(n, 1, "destination"))
+    return None if _nonzero_dims(dims, _ndim(n.args[0])) else f"{name} moves dim 0"
+
+
+def _permute(n, op, name):
+    dims = _arg(n, 0, "dims")
+    dims = dims if isinstance(dims, (tuple, list)) else n.args[1:]
+    return None if dims and isinstance(dims[0], int) and dims[0] % (_ndim(n.args[0]) or 1) == 0 \
+        else "permute moves dim 0"
+
+
+def _expand(n, op, name):
+    sizes = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) else \
+        n.args[1:]
+    first = -1 if name == "expand" else 1
+    ok = len(sizes) == _ndim(n.args[0]) and sizes and sizes[0] == first
+    return None if ok else f"{name}{tuple(sizes)!r} changes dim 0"
+
+
+def _along_dim(n, op, name):
+    if op.binary_form and len(n.args) > 1 and isinstance(n.args[1], Node):
+        return _broadcast_problem(n, n.inputs())  # the element-wise maximum of two values
+    pos, kw, default = op.dim
+    dim = _arg(n, pos, kw, default)
+    if _nonzero_dims(dim, _ndim(n.args[0])):
+        if name == "index_select" and any(a.domain != "param" for a in n.inputs()[1:]):
+            return "index_select with a per-edge index"
+        return None
+    what = "all dims" if dim is None else f"dim {dim!r}"
+    return (f"{name} over {what} reorders, selects or merges rows" if op.reorders
+            else f"{name} over {what} combines the rows of all edges")
+
+
+_ROW_RULES = {"always": _always, "getattr": _getattr_rule, "getitem": _getitem_rule,
+              "size": _size_rule, "elementwise": _elementwise, "like": _like,
+              "matmul": _matmul, "embedding": _embedding, "cat": _cat}
+_ROW_RULES_ON_ROWS = {"reshape": _reshape, "unsqueeze": _unsqueeze, "swap": _swap, "move": _move,
+                      "permute": _permute, "expand": _expand, "dim": _along_dim}
+
+
 def row_mixing(n: Node) -> str | None:
     """Why row k of call node ``n``'s value may depend on other rows of its per-edge (per-vertex)
-    operands; None when it is row-wise: an op of the allow-list above whose arguments keep dim 0
-    out of it. (An edge value's rows are edges: a row-mixing op is only correct where all edges
-    are present at once, as in memory, not on one column of a streamed graph.)"""
+    operands; None when it is row-wise: an op of the allow-list (:mod:`ngra.ops`) whose
+    arguments keep dim 0 out of it. (An edge value's rows are edges: a row-mixing op is only
+    correct where all edges are present at once, as in memory, not on one column of a streamed
+    graph.)"""
     if n.op == "call_module":
-        m = n.value
-        if n.kwargs or any(isinstance(a, Node) and _is_tensor_node(a) and not _rows(a)
-                           and a.domain != "param" for a in n.args):
-            return f"{type(m).__name__} reads a value that has no row per edge"
-        ins = [a for a in n.args if _rows(a)]
-        ndim = _ndim(ins[0]) if ins else None
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-            if m.training or not m.track_running_stats:
-                return (f"{type(m).__name__} in training mode normalizes with the mean and "
-                        "variance over all edges")
-            return None
-        dim_kw = next((kw for cls, kw in _DIM_MODULES.items() if isinstance(m, cls)), None)
-        if dim_kw is not None:
-            if _nonzero_dims(getattr(m, dim_kw), ndim):
-                return None
-            return f"{type(m).__name__}({dim_kw}={getattr(m, dim_kw)!r}) acts over dim 0"
-        if not isinstance(m, _ROWWISE_MODULES):
-            return f"{type(m).__name__} is not known to act row by row"
-        if ndim is not None and ndim < 2 and not isinstance(m, (torch.nn.Embedding,
-                                                               torch.nn.Identity)):
-            return f"{type(m).__name__} on a 1-d value treats it as one sample"
-        return None
+        return _module_mixing(n)
     if n.op not in ("call_function", "call_method"):
         return None
     name = _short(n)
-    if name in _RANDOM:
+    op = torch_op(name)
+    if op is not None and op.random:
         from .executor import dropout_spec  # edge dropout: one mask per edge id (executor)
         if n.op == "call_function" and dropout_spec(n, None) is not None:
             return None
         return f"{name} draws random numbers in the order of the edges"
-    if name.endswith("_") and not name.startswith("_") and name[:-1] in _UNARY | _BINARY:
-        name = name[:-1]  # in place: row-wise as its out-of-place form
-    x = n.args[0] if n.args else None
-    xdim = _ndim(x)
-    if name == "getattr":
-        return None if n.args[1:] and n.args[1] in _META else \
-            f"getattr {n.args[1:]!r} of a per-edge value is not known to keep its rows"
-    if name == "getitem":
-        return _index_problem(n, x, n.args[1])
-    if name == "size":
-        d = _arg(n, 0, "dim")
-        if d is None or _nonzero_dims(d, xdim):
-            return None
-        return "reads the number of edges (x.size(0)), which streamed is a column's; use -1"
-    if name in ("dim", "ndimension"):
-        return None
-    if name in _UNARY or name in _BINARY:
-        return _broadcast_problem(n, n.inputs())
-    if name in ("type_as", "view_as", "reshape_as", "expand_as"):
-        if name != "type_as" and not _rows(n.args[1]):
-            return f"{name} of a value with no row per edge"
-        return None
-    if name in ("matmul", "mm", "bmm", "linear"):
-        w = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
-        if not (_rows(x) and (xdim or 0) >= 2):
-            return f"{name} does not keep the rows of a per-edge value as its first operand"
-        others = [a for a in n.inputs() if a is not x]
-        if name == "linear" and all(a.domain == "param" for a in others):
-            return None
-        if name in ("matmul", "mm") and isinstance(w, Node) and w.domain == "param" and \
-                w.shape is not None and len(w.shape) <= 2:
-            return None
-        if name in ("matmul", "bmm") and _rows(w) and _ndim(w) == xdim and xdim >= 3:
-            return None  # batched over the rows
-        return f"{name} with these operands combines rows"
-    if name in ("embedding",):
-        return None if _rows(x) and all(a.domain == "param" for a in n.inputs() if a is not x) \
-            else "embedding of a value with no row per edge"
-    if name in ("cat", "concat", "stack"):
-        parts = n.args[0] if n.args else n.kwargs.get("tensors")
-        if not isinstance(parts, (list, tuple)) or not parts or \
-                not all(_rows(a) for a in parts):
-            return f"{name} of values that do not all have one row per edge"
-        if len({_ndim(a) for a in parts}) != 1:
-            return f"{name} of values of different ranks"
-        d = _arg(n, 0, "dim", 0)
-        if _nonzero_dims(d, _ndim(parts[0]) + (name == "stack")):
-            return None
-        return f"{name} along dim 0 (dim={d!r}) appends rows"
-    if not _rows(x):
+    if op is not None:
+        name = op.name  # an in-place element-wise op is row-wise as its out-of-place form
+        if op.rows in _ROW_RULES:
+            return _ROW_RULES[op.rows](n, op, name)
+    if not _rows(n.args[0] if n.args else None) or op is None:
         return f"{name} is not known to act row by row"
-    if name in ("view", "reshape"):
-        shape = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) else \
-            n.args[1:]
-        shape = n.kwargs.get("shape", shape)
-        if shape and shape[0] == -1 and all(isinstance(d, int) for d in shape) and \
-                -1 not in shape[1:] and all(isinstance(d, int) for d in x.shape[1:]) and \
-                torch.Size(shape[1:]).numel() == torch.Size(x.shape[1:]).numel():
-            return None
-        return (f"{name}{tuple(shape)!r} does not keep one row per edge; write "
-                f"{name}(-1, <feature sizes>)")
-    if name == "unsqueeze":
-        return None if _nonzero_dims(_arg(n, 0, "dim"), (xdim or 0) + 1) else \
-            "unsqueeze(0) puts all edges in one row"
-    if name in ("transpose", "swapaxes", "swapdims"):
-        return None if _nonzero_dims((_arg(n, 0, "dim0"), _arg(n, 1, "dim1")), xdim) else \
-            f"{name} moves dim 0"
-    if name in ("movedim", "moveaxis"):
-        return None if _nonzero_dims((_arg(n, 0, "source"), _arg(n, 1, "destination")), xdim) \
-            else f"{name} moves dim 0"
-    if name == "permute":
-        dims = _arg(n, 0, "dims")
-        dims = dims if isinstance(dims, (tuple, list)) else n.args[1:]
-        return None if dims and isinstance(dims[0], int) and dims[0] % (xdim or 1) == 0 else \
-            "permute moves dim 0"
-    if name in ("expand", "repeat", "tile"):
-        sizes = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) else \
-            n.args[1:]
-        first = -1 if name == "expand" else 1
-        ok = len(sizes) == xdim and sizes and sizes[0] == first
-        return None if ok else f"{name}{tuple(sizes)!r} changes dim 0"
-    if name in _DIM_ARG:
-        pos, kw, default = _DIM_ARG[name]
-        if name in ("max", "min") and len(n.args) > 1 and isinstance(n.args[1], Node):
-            return _broadcast_problem(n, n.inputs())  # the element-wise maximum of two values
-        dim = _arg(n, pos, kw, default)
-        if name in ("narrow", "select", "index_select", "unflatten"):
-            dim = _arg(n, 0, "dim")
-        if _nonzero_dims(dim, xdim):
-            if name == "index_select" and any(a.domain != "param" for a in n.inputs()[1:]):
-                return "index_select with a per-edge index"
-            return None
-        what = "all dims" if dim is None else f"dim {dim!r}"
-        return (f"{name} over {what} combines the rows of all edges" if name not in
-                ("flip", "roll", "sort", "argsort", "chunk", "split", "unbind", "narrow",
-                 "select", "index_select", "squeeze", "flatten", "unflatten")
-                else f"{name} over {what} reorders, selects or merges rows")
-    return f"{name} is not known to act row by row"
+    return _ROW_RULES_ON_ROWS[op.rows](n, op, name)
 
 
 # --- lift ----------------------------------------------------------------------------------------
@@ -415,7 +403,7 @@ def _rowwise(n: Node, edge_ins: list[Node]) -> bool:
         return False
     if any(a.domain in ("vertex", "global") for a in n.inputs()):
         return False
-    if n.op == "call_module" and not isinstance(n.value, _PURE_MODULES):
+    if n.op == "call_module" and not module_pure(n.value):
         return False
     return is_pure(n) and row_mixing(n) is None
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ..ir import GRAPH_OPS, IR, Node
+from ..ops import module_replayable, writes_in_place
 from ..passes import is_pure, mixing_reason
 
 
@@ -132,14 +131,11 @@ def _chunkable_ops(plan: StreamPlan) -> bool:
 
 def _replayable(n: Node) -> bool:
     """Whether node ``n`` can be re-run on its own to rebuild a value autograd saved: anything
-    but in-place ops (and modules that may be in place), which would change saved values."""
+    but in-place ops (and modules that may be in place), which would change saved values (the
+    facts: :mod:`ngra.ops`)."""
     if n.op in ("call_function", "call_method"):
         name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-        return not (name.endswith("_") or "out" in n.kwargs or n.kwargs.get("inplace"))
+        return not writes_in_place(name, n.kwargs)
     if n.op == "call_module":
-        m = n.value
-        pure = isinstance(m, (torch.nn.Linear, torch.nn.Identity, torch.nn.modules.dropout._DropoutNd,
-                              torch.nn.ReLU, torch.nn.LeakyReLU, torch.nn.ELU, torch.nn.GELU,
-                              torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.Softplus, torch.nn.SiLU))
-        return pure and not getattr(m, "inplace", False)
+        return module_replayable(n.value)
     return True
