@@ -17,7 +17,10 @@ Every worker allocates the same named **regions** (a tensor ``[rows, *row_shape]
   send buffer, then the rows go straight into the receive buffer (gloo on CPU: point-to-point
   with each peer that has rows to move; NCCL on GPU: ``all_to_all_single``).
   No pickling, no per-message metadata. :meth:`ExchangePlan.push_add` is the reverse (halo
-  gradients summed into their owners' rows).
+  gradients summed into their owners' rows). :meth:`ExchangePlan.pull_async` starts a pull and
+  returns at once (a :class:`PendingPull`): on the gloo point-to-point path each peer's rows
+  arrive in the background, and ``wait(peer)`` waits for one peer only, so a caller can compute
+  on the rows it already has (the streaming engine's overlapped halo exchange).
 
 A dead or hung peer raises :class:`TransportError` within ``timeout`` seconds instead of hanging;
 bad use (mismatched layouts, rows out of range, a region read before anything was written to it)
@@ -42,7 +45,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["Transport", "Region", "ExchangePlan", "TransportError"]
+__all__ = ["Transport", "Region", "ExchangePlan", "PendingPull", "TransportError",
+           "pull_extended"]
 
 _HEADER = 64  # bytes before a shared region's rows: int64 write count, then padding
 
@@ -523,6 +527,78 @@ class ExchangePlan:
         self._account("pulls", "pull_s", start, cpu, self._foreign_recv, self._foreign_send)
         return self.recv
 
+    def pull_async(self, out: torch.Tensor | None = None, *, peers=None) -> "PendingPull":
+        """Collective: start filling ``out`` (default :attr:`recv`; same shape, dtype and device)
+        with the needed rows of every peer, and return at once.
+
+        The returned :class:`PendingPull` waits per peer: after ``wait(p)`` the rows of peer
+        ``p``, ``out[recv_offsets[p]:recv_offsets[p + 1]]``, hold their values; ``finish()``
+        waits for every peer and for this worker's own rows to be sent (call it before the next
+        pull of the same rows is needed; a pending pull that is never finished keeps its
+        buffers). ``peers`` (optional): the order in which the per-peer transfers are posted,
+        a permutation of some ranks (the rest follow in ascending order); each worker may choose
+        its own.
+
+        Only the gloo point-to-point path is asynchronous: the rows this worker serves are
+        gathered into a send buffer of the pull's own (so several pulls of one plan may be in
+        flight at once, posted in the same order on every worker), then one ``isend`` and one
+        ``irecv`` per peer with rows to move are posted, and the rows arrive while the caller
+        computes. On shared memory (a fence-ordered copy that every worker makes together) and
+        on NCCL (one ``all_to_all_single``) the pull completes before this returns: the handle
+        is already complete. Every wait is bounded by the transport's timeout and a peer that
+        does not deliver is a :class:`TransportError` naming it."""
+        t = self.transport
+        if out is None:
+            out = self.recv
+        elif tuple(out.shape) != tuple(self.recv.shape) or out.dtype != self.recv.dtype \
+                or out.device != self.recv.device:
+            raise TransportError(
+                f"pull_async({self.region.name!r}): out must have shape "
+                f"{tuple(self.recv.shape)}, dtype {self.recv.dtype} and device "
+                f"{self.recv.device} (got {tuple(out.shape)}, {out.dtype}, {out.device})")
+        order = self._peer_order(peers)
+        self._check_written_once()
+        start, cpu = time.perf_counter(), time.process_time()
+        if t.shared_memory or t.backend != "gloo":
+            recv = self.pull()
+            if out is not recv:
+                out.copy_(recv)
+            return PendingPull(self, {}, [], ())
+        me = t.rank
+        send = torch.index_select(self.region.local, 0, self._serve_ids)
+        r_off = self.recv_offsets
+        s_off = [0] + list(itertools.accumulate(self._send_counts))
+        if self._recv_counts[me]:
+            out[r_off[me]:r_off[me + 1]].copy_(send[s_off[me]:s_off[me + 1]])
+        recvs: dict = {}
+        sends: list = []
+        for p in order:
+            if p == me:
+                continue
+            peer = dist.get_global_rank(t.group, p) if t.group is not None else p
+            try:
+                if self._send_counts[p]:
+                    sends.append((p, dist.isend(send[s_off[p]:s_off[p + 1]], peer,
+                                                group=t.group)))
+                if self._recv_counts[p]:
+                    recvs[p] = dist.irecv(out[r_off[p]:r_off[p + 1]], peer, group=t.group)
+            except RuntimeError as e:
+                raise TransportError(f"rank {me}: pull_async({self.region.name!r}) could not post "
+                                     f"the transfer with peer {p}: {e}") from e
+        self._account("pulls", "pull_s", start, cpu, self._foreign_recv, self._foreign_send)
+        return PendingPull(self, recvs, sends, (send, out))
+
+    def _peer_order(self, peers) -> list[int]:
+        W = self.transport.world_size
+        if peers is None:
+            return list(range(W))
+        order = [int(p) for p in peers]
+        bad = [p for p in order if not 0 <= p < W]
+        if bad or len(set(order)) != len(order):
+            raise TransportError(f"pull_async({self.region.name!r}): peers must be distinct ranks "
+                                 f"in [0, {W}) (got {list(peers)!r})")
+        return order + [p for p in range(W) if p not in set(order)]
+
     def _account(self, calls: str, seconds: str, start: float, cpu: float, bytes_in: int,
                  bytes_out: int) -> None:
         st = self.stats
@@ -567,3 +643,125 @@ class ExchangePlan:
         # The reverse of a pull: the received rows' gradients go out, the served rows' come in.
         self._account("pushes", "push_s", start, cpu, self._foreign_send, self._foreign_recv)
         return into
+
+
+class PendingPull:
+    """A pull in flight (:meth:`ExchangePlan.pull_async`): ``wait(peer)`` waits for one peer's
+    rows, ``finish()`` for everything; ``waited_s`` is the time spent blocked in both so far
+    (also added to the plan's ``stats["wait_s"]`` and ``stats["pull_s"]``)."""
+
+    def __init__(self, plan: ExchangePlan, recvs: dict, sends: list, keep: tuple):
+        self.plan = plan
+        self._recvs = recvs  # peer -> gloo work of its irecv, until waited for
+        self._sends = sends  # (peer, work) of this worker's isends
+        self._keep = keep  # the send buffer and the receive buffer stay alive until finished
+        self.waited_s = 0.0
+
+    @property
+    def pending(self) -> list[int]:
+        """Peers whose rows were not waited for yet."""
+        return sorted(self._recvs)
+
+    def arrived(self, peer: int) -> bool:
+        """Whether peer's rows are in (without waiting; True for a peer with no rows)."""
+        w = self._recvs.get(peer)
+        return w is None or w.is_completed()
+
+    def wait(self, peer: int) -> None:
+        """Wait (at most the transport's timeout) until peer's rows are in."""
+        w = self._recvs.pop(peer, None)
+        if w is not None:
+            self._wait(w, peer, "receiving the rows of")
+
+    def finish(self) -> None:
+        """Wait for every peer's rows and for this worker's sends."""
+        for p in sorted(self._recvs):
+            self.wait(p)
+        sends, self._sends = self._sends, []
+        for p, w in sends:
+            self._wait(w, p, "sending rows to")
+        self._keep = ()
+
+    @property
+    def done(self) -> bool:
+        return not self._recvs and not self._sends
+
+    def _wait(self, work, peer: int, what: str) -> None:
+        plan, t = self.plan, self.plan.transport
+        start = time.perf_counter()
+        try:
+            ok = work.wait(datetime.timedelta(seconds=t.timeout))
+        except RuntimeError as e:  # gloo reports a dead peer or a time-out as RuntimeError
+            raise TransportError(
+                f"rank {t.rank}: {what} peer {peer} (region {plan.region.name!r}) failed within "
+                f"the timeout of {t.timeout:g} s: peer {peer} died, hung, or did not make the "
+                f"same pull ({e})") from e
+        if ok is False:
+            raise TransportError(
+                f"rank {t.rank}: {what} peer {peer} (region {plan.region.name!r}) did not "
+                f"complete within the timeout of {t.timeout:g} s: peer {peer} died, hung, or "
+                "did not make the same pull")
+        waited = time.perf_counter() - start
+        self.waited_s += waited
+        plan.stats["wait_s"] += waited
+        plan.stats["pull_s"] += waited
+
+
+class PendingPulls:
+    """Several :class:`PendingPull` s waited for together (one per exchanged value)."""
+
+    def __init__(self, pulls):
+        self.pulls = list(pulls)
+
+    def arrived(self, peer: int) -> bool:
+        return all(p.arrived(peer) for p in self.pulls)
+
+    def wait(self, peer: int) -> None:
+        for p in self.pulls:
+            p.wait(peer)
+
+    def finish(self) -> None:
+        for p in self.pulls:
+            p.finish()
+
+    @property
+    def waited_s(self) -> float:
+        return sum(p.waited_s for p in self.pulls)
+
+    @property
+    def done(self) -> bool:
+        return all(p.done for p in self.pulls)
+
+
+class _PullExtended(torch.autograd.Function):
+    """``x`` [n, ...] -> ``[x; rows pulled by plan]`` [n + h, ...], the last h rows filled as
+    they arrive (see :func:`pull_extended`); backward returns their gradients to their owners
+    (summed into theirs), as a synchronous halo exchange does."""
+
+    @staticmethod
+    def forward(ctx, x, plan, peers, box):
+        n = x.shape[0]
+        ext = x.new_empty((n + plan.recv.shape[0], *x.shape[1:]))
+        ext[:n].copy_(x)
+        plan.region.set(x.detach())
+        box.append(plan.pull_async(ext[n:], peers=peers))
+        ctx.plan, ctx.n = plan, n
+        return ext
+
+    @staticmethod
+    def backward(ctx, grad):
+        mine = grad[:ctx.n].clone()
+        ctx.plan.push_add(grad[ctx.n:].contiguous(), mine)
+        return mine, None, None, None
+
+
+def pull_extended(x: torch.Tensor, plan: ExchangePlan, *, peers=None):
+    """Collective and differentiable: ``(ext, pending)`` with ``ext = [x; pulled rows]``
+    [n + h, ...] (``x`` [n, ...], the region's own rows, is written to the region first) and
+    ``pending`` the :class:`PendingPull` whose ``wait(p)`` makes peer p's rows of ``ext`` valid
+    (at ``n + recv_offsets[p]``). Backward sends the pulled rows' gradients back to their owners
+    (:meth:`ExchangePlan.push_add`) and adds the ones it receives to ``x``'s gradient. On shared
+    memory and NCCL the pull is synchronous (see :meth:`ExchangePlan.pull_async`)."""
+    box: list = []
+    ext = _PullExtended.apply(x, plan, peers, box)
+    return ext, box[0]

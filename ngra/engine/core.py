@@ -5,6 +5,7 @@ columns of the graphs it saw, and running each vertex-program call through
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import math
 import warnings
@@ -16,6 +17,7 @@ import partition
 from partition.chunk_grid import interval_bounds, interval_of
 
 from ..graph import Graph
+from ..schedule.streaming import ORDERS, StreamCosts, plan_streaming_order
 from .columns import _ChunkColumns, _GraphColumns, _same_edges, balanced_bounds
 from .cost import _INDEX_BYTES, _compute_bytes_per_edge, _row_bytes
 from .plan import StreamPlan, _check_rowwise, _chunkable_ops, _source_operands
@@ -52,12 +54,40 @@ class Engine:
     ``prefetch`` loads the next column of a store on a background thread. ``backend`` is
     passed to the kernels.
 
+    ``column_order`` matters on a worker's piece of a distributed graph (a ``DistGraph``) only:
+
+    - ``"fixed"``: one blocking halo exchange of every source operand, then columns
+      ``0..P-1``;
+    - ``"overlap"``: the exchange starts without waiting (per-peer transfers on the gloo
+      point-to-point path), columns ``0..P-1`` each wait only for the peers whose rows they
+      read;
+    - ``"searched"`` (the default): as ``"overlap"``, in the order of transfers and columns
+      that :func:`ngra.schedule.streaming.plan_streaming_order` finds best on a model of the
+      call (a column's compute ``per_column_s + edges * (per_edge_s + row_bytes *
+      per_edge_byte_s)``, a peer's transfer ``latency_s + bytes * per_byte_s``, from
+      ``stream_costs``, a
+      :class:`~ngra.schedule.streaming.StreamCosts`; for a given transfer order the column
+      order, earliest-needed-peer-arrival first, does not depend on the costs). Columns whose
+      edges read only the worker's own rows run first.
+
+    All three give the same outputs and gradients bit for bit: every column owns its
+    destination rows, and the gradients that several columns add into (source operands) are
+    summed in the same order whatever order the columns ran in (each column reads them through
+    an alias node of its own, made in column order before any column runs). An edge part that
+    reads a parameter directly (not lifted out of the edges) runs ``"fixed"``, since its
+    gradient would be summed in run order. On shared memory (co-located workers, the
+    transport's default) the exchange itself is synchronous, so only the order changes; the
+    overlap needs ``Transport(shared_memory=False)`` or workers on several hosts.
+
     After a run, ``engine.last_run`` holds figures of the last streamed call (P, columns, the
-    estimate of its edge-level working set and its resident vertex bytes).
+    estimate of its edge-level working set and its resident vertex bytes; on a DistGraph also
+    the column order run, its predicted and measured seconds and the time waited for peers).
+    ``engine.stream_log`` keeps those of the last 1024 calls on DistGraphs (clear it at will).
     """
 
     def __init__(self, memory_budget=None, num_chunks=None, store=None, *, ordering=None,
-                 prefetch: bool = True, backend: str = "auto"):
+                 prefetch: bool = True, backend: str = "auto", column_order: str = "searched",
+                 stream_costs: StreamCosts | None = None):
         given = [name for name, v in (("memory_budget", memory_budget), ("num_chunks", num_chunks),
                                       ("store", store)) if v is not None]
         if len(given) > 1:
@@ -81,7 +111,17 @@ class Engine:
         self.ordering = ordering
         self.prefetch = bool(prefetch)
         self.backend = backend
+        if column_order not in ORDERS:
+            raise ValueError(f"column_order must be one of {', '.join(map(repr, ORDERS))} "
+                             f"(got {column_order!r})")
+        if stream_costs is not None and not isinstance(stream_costs, StreamCosts):
+            raise TypeError(f"stream_costs must be an ngra.schedule.StreamCosts (got "
+                            f"{type(stream_costs).__name__}); e.g. StreamCosts.fit(...) on "
+                            "measured column and transfer times")
+        self.column_order = column_order
+        self.stream_costs = stream_costs or StreamCosts()
         self.last_run: dict = {}
+        self.stream_log: collections.deque = collections.deque(maxlen=1024)
         self._layouts: dict = {}  # (id of a graph, P) -> its columns
         self._canon: dict = {}  # id of a graph -> (graph, the graph whose columns it shares)
         self._orderings: dict = {}  # per graph: orderings, degrees, column sizes for each P
@@ -297,13 +337,51 @@ class Engine:
         # Before the call: a first call's estimate includes preparing the columns.
         estimate = None if self._probing else self.estimate(program, g, p)
         layout = self._layout(g, p)
-        out = _Run(self, program, plan, g, layout, vdata, edata).execute()
+        run = _Run(self, program, plan, g, layout, vdata, edata)
+        out = run.execute()
         c_col = int(layout.column_edges.max(initial=0))
         self.last_run = {"num_intervals": p, "columns": int((layout.column_edges > 0).sum()),
                          "column_edges": c_col, "ordering": layout.ordering_method}
+        if run.stream_stats:
+            self.last_run.update(run.stream_stats)
+            self.stream_log.append(dict(self.last_run))
         if not self._probing:
             self.last_run.update(estimate=estimate, vertex_bytes=self.vertex_bytes(program, g))
         return out
+
+    def _column_peers(self, g, layout) -> list[list[int]]:
+        """For a worker's piece: per column, the peers whose halo rows its edges read (cached
+        per graph and P)."""
+        key = (id(self._canonical(g)), layout.num_intervals, "column_peers")
+        if key not in self._orderings:
+            n, me = g.num_nodes, g.transport.rank
+            owner = torch.cat([torch.full((n,), me, dtype=torch.int64), g.halo_owner.cpu()])
+            csr = g.in_csr()
+            ptr = csr.indptr.cpu().to(torch.int64)
+            idx = csr.indices.cpu().to(torch.int64)
+            bounds = np.asarray(layout.bounds, dtype=np.int64)
+            out = []
+            for j in range(layout.num_intervals):
+                lo, hi = int(ptr[int(bounds[j])]), int(ptr[int(bounds[j + 1])])
+                src = idx[lo:hi]
+                peers = torch.unique(owner[src[src >= n]]).tolist() if hi > lo else []
+                out.append([int(q) for q in peers])
+            self._orderings[key] = out
+        return self._orderings[key]
+
+    def _stream_order(self, g, layout, row_bytes: int):
+        """``(StreamingOrder, column peers)`` of a call on a worker's piece whose source
+        operands hold ``row_bytes`` bytes per vertex (cached per graph, P, row bytes and
+        costs)."""
+        peers = self._column_peers(g, layout)
+        key = (id(self._canonical(g)), layout.num_intervals, "order", row_bytes,
+               self.stream_costs)
+        if key not in self._orderings:
+            rows = torch.bincount(g.halo_owner.cpu(), minlength=g.transport.world_size)
+            peer_bytes = {q: int(rows[q]) * row_bytes for q in range(len(rows)) if int(rows[q])}
+            self._orderings[key] = plan_streaming_order(layout.column_edges, peers, peer_bytes,
+                                                        self.stream_costs, row_bytes=row_bytes)
+        return self._orderings[key], peers
 
     def _check_piece(self, program, g) -> None:
         """A worker's piece of a distributed graph streams its own destination columns in its

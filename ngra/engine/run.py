@@ -5,6 +5,8 @@ part on all vertices, the edge part one destination column at a time (through
 from __future__ import annotations
 
 import concurrent.futures
+import math
+import time
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ class _Run:
         self.loader = None  # made in execute(), which knows whether backward will follow
         self.backward = False  # set once forward is done: later column runs are recomputes
         self.src_vert: dict = {}  # a DistGraph's source operands with their halo rows
+        self.stream_stats: dict = {}  # on a DistGraph: the order, its prediction, the timings
 
     def execute(self):
         plan = self.plan
@@ -54,11 +57,6 @@ class _Run:
                 for n in plan.pre if (i := id(n)) in plan.needs}
         for i in plan.needs - plan.post_reads - {id(out_node)}:
             env.pop(i, None)  # the edge part reads ``vert``; autograd keeps what it needs
-        # A worker's piece of a distributed graph: every source operand gets its halo rows once
-        # (the same values, in the same order, on every worker), read by every column.
-        exchange = getattr(self.g, "exchange_sources", None)
-        self.src_vert = {} if exchange is None else exchange(
-            {i: vert[i] for i in _source_operands(plan) if i in vert})
         p = self.layout.num_intervals
         tensors = [v for v in vert.values() if isinstance(v, torch.Tensor)]
         recompute = torch.is_grad_enabled() and (
@@ -68,18 +66,47 @@ class _Run:
         replay = recompute and all(_replayable(n) for n in plan.edge)
         by_chunks = not recompute and _chunkable(self.layout, plan)
         self.loader = _Loader(self.layout, self.engine.prefetch, transpose=recompute)
-        columns_out = []
-        for j in range(p):
+        # A worker's piece of a distributed graph: every source operand gets its halo rows once
+        # (the same values, in the same order, on every worker), read by every column; the
+        # columns run in the order of Engine(column_order=...), each waiting only for the peers
+        # whose rows it reads.
+        order, pending, col_peers = range(p), None, None
+        if getattr(self.g, "exchange_sources", None) is not None:
+            order, pending, col_peers = self._start_exchange(vert, recompute)
+        # Per column, its own alias of every vertex value several columns read (see _aliases).
+        verts = _aliases(vert, self.src_vert, p) if col_peers is not None and recompute \
+            and p > 1 else None
+        columns_out: list = [None] * p
+        seconds = [0.0] * p
+        waited = 0.0
+        for j in order:
+            if pending is not None:
+                t0 = time.perf_counter()
+                for q in col_peers[j]:
+                    pending.wait(q)
+                waited += time.perf_counter() - t0
+            vj = vert if verts is None else verts[j]
+            t0 = time.perf_counter()
             if by_chunks and int((self.layout.source.counts[:, j] > 0).sum()) > 1:
-                outs = self._column_by_chunks(j, vert)
+                outs = self._column_by_chunks(j, vj)
             elif replay:
-                outs = _Replay(self, j, vert).forward()
+                outs = _Replay(self, j, vj).forward()
             elif recompute:  # in-place ops in the edge part: recompute whole columns in order
-                fn = lambda *_, j=j, vert=vert: self._column(j, vert)  # noqa: E731
+                fn = lambda *_, j=j, vert=vj: self._column(j, vert)  # noqa: E731
                 outs = torch.utils.checkpoint.checkpoint(fn, *tensors, use_reentrant=False)
             else:
-                outs = self._column(j, vert)
-            columns_out.append(outs)
+                outs = self._column(j, vj)
+            seconds[j] = time.perf_counter() - t0
+            columns_out[j] = outs
+        if pending is not None:
+            t0 = time.perf_counter()
+            pending.finish()
+            waited += time.perf_counter() - t0
+        if self.stream_stats:
+            self.stream_stats.update(
+                column_s=seconds, wait_s=waited,
+                forward_s=time.perf_counter() - self.stream_stats.pop("_start"))
+        del verts
         self.backward = True
         del vert, tensors
         per_reduction = list(zip(*columns_out))
@@ -93,6 +120,40 @@ class _Run:
             for dead in drops.get(k, ()):
                 env.pop(dead, None)
         return env[id(out_node)]
+
+    def _start_exchange(self, vert: dict, recompute: bool):
+        """On a worker's piece: start the halo exchange of the source operands as
+        ``Engine(column_order=...)`` says; returns ``(column order, pending pulls or None,
+        per-column peers or None)`` and fills :attr:`stream_stats`."""
+        g, plan, engine = self.g, self.plan, self.engine
+        sources = {i: vert[i] for i in _source_operands(plan) if i in vert}
+        start = time.perf_counter()
+        mode, why = engine.column_order, None
+        p = self.layout.num_intervals
+        if getattr(g, "exchange", "halo") != "halo" or \
+                getattr(g, "exchange_sources_async", None) is None:
+            self.src_vert = g.exchange_sources(sources)
+            return range(p), None, None
+        if recompute and any(n.op in ("call_module", "get_attr") for n in plan.edge):
+            mode, why = "fixed", "the edge part reads parameters directly"
+        row_bytes = sum(math.prod(u.shape[1:]) * u.element_size() for u in sources.values())
+        order, col_peers = engine._stream_order(g, self.layout, row_bytes)
+        columns, peers = order.order(mode)
+        if mode == "fixed":
+            self.src_vert, pending = g.exchange_sources(sources), None
+        else:
+            self.src_vert, pending = g.exchange_sources_async(sources, peers=peers)
+        self.stream_stats = {
+            "_start": start, "column_order": mode, "order": list(columns),
+            "peer_order": list(peers), "exchange_s": time.perf_counter() - start,
+            "predicted_s": order.predicted(mode), "predicted_fixed_s": order.fixed_s,
+            "predicted_searched_s": order.predicted_s, "exact_order": order.exact,
+            "column_edges": [int(e) for e in self.layout.column_edges],
+            "column_peers": [list(q) for q in col_peers], "row_bytes": int(row_bytes),
+            "halo_bytes": int(row_bytes) * g.num_halo}
+        if why:
+            self.stream_stats["column_order_reason"] = why
+        return columns, pending, col_peers
 
     def _eval_full(self, n: Node, env):
         """A pre or post node, on all vertices (they never touch the graph)."""
@@ -188,7 +249,8 @@ class _Run:
 
         def rows(n, side):  # a vertex operand for the source or the destination side
             if side == "src":
-                x = self.src_vert.get(id(n))
+                x = vert.get(("src", id(n)))
+                x = self.src_vert.get(id(n)) if x is None else x
                 x = load(n) if x is None else x
                 return x if col.src is None else x[col.src]
             return load(n)[col.dst]
@@ -217,6 +279,39 @@ class _Run:
             for dead in drops.get(k, ()):
                 env.pop(dead, None)
         return env
+
+
+class _ColumnAlias(torch.autograd.Function):
+    """``x`` itself (a view), as one column's own node: the gradient a column adds into ``x``
+    reaches ``x`` through its alias (see :func:`_aliases`)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _aliases(vert: dict, src_vert: dict, p: int) -> list[dict]:
+    """Per column ``j``, ``vert`` with every value that needs a gradient replaced by an alias of
+    its own (and the halo-extended source operands under ``("src", id)``), all made before any
+    column runs, column 0 first.
+
+    Why: several columns add into the gradient of such a value (a source operand, read by every
+    column whose edges start at its rows), and autograd sums those parts in the order their
+    nodes run in backward: latest created first. The alias nodes are older than every node of
+    every column, so they run after all of them, in reverse column order, whatever order the
+    columns ran in: the sum is the same bit for bit as with columns ``0..P-1``."""
+    out = []
+    for _ in range(p):
+        vj = {i: _ColumnAlias.apply(v) if isinstance(v, torch.Tensor) and v.requires_grad
+              else v for i, v in vert.items()}
+        for i, v in src_vert.items():
+            vj[("src", i)] = _ColumnAlias.apply(v) if v.requires_grad else v
+        out.append(vj)
+    return out
 
 
 def _rows_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
