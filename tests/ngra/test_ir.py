@@ -1,4 +1,4 @@
-"""The IR: printing, lint, and each pass tested alone."""
+"""The IR: tracing, printing, lint, the graph-op table (the passes: tests/ngra/passes/)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 
 import ngra
 from ngra.ir import IR, IRError, Node
-from ngra.passes import cse, dce, fuse, lift, optimize
 from saga_reference import random_graph
 
 
@@ -18,17 +17,6 @@ class GCNMsg(ngra.VertexProgram):
 
     def apply_edge(self, e):
         return e.src["h"] * e.data["w"]
-
-
-class LinearSrc(ngra.VertexProgram):
-    gather = "mean"
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 5)
-
-    def apply_edge(self, e):
-        return self.lin(e.src["h"])
 
 
 def compiled(layer, fin=4, edge=False):
@@ -55,17 +43,6 @@ def test_gcn_layer_prints_as_single_gspmm():
         "%acc: vertex[N, 4] f32 = gather[sum](%mul)\n"
         "return %acc"
     )
-
-
-def test_linear_of_source_is_lifted_to_vertices():
-    prog = compiled(LinearSrc())
-    assert str(prog.ir) == (
-        "%h: vertex[N, 4] f32 = input[vertex.h]\n"
-        "%lin: vertex[N, 5] f32 = lin(%h)\n"
-        "%acc: vertex[N, 5] f32 = gspmm[copy_u, mean](%lin)\n"
-        "return %acc"
-    )
-    assert "%lin: edge[E, 5] f32 = lin(%h_src)" in str(prog.raw_ir)
 
 
 def test_builtin_descriptor_maps_straight_to_kernel():
@@ -110,79 +87,6 @@ def test_lint_accepts_valid_and_reports_each_problem_with_dump():
     assert "IR:\n%h: vertex = input[vertex.h]" in msg  # the dump is included
 
 
-def test_dce_removes_unused_pure_nodes_but_keeps_impure():
-    ir = IR()
-    h = _node(ir, "h", "input", ("vertex", "h"))
-    _node(ir, "unused", "call_function", torch.relu, (h,))
-    _node(ir, "inplace", "call_method", "relu_", (h,))  # side effect: kept
-    _node(ir, "output", "output", None, (h,))
-    out = dce(ir)
-    assert [n.name for n in out.nodes] == ["h", "inplace", "output"]
-    assert [n.name for n in ir.nodes] == ["h", "unused", "inplace", "output"]  # input untouched
-
-
-def test_cse_merges_identical_pure_nodes_only():
-    ir = IR()
-    h = _node(ir, "h", "input", ("vertex", "h"))
-    a = _node(ir, "a", "call_function", torch.relu, (h,))
-    b = _node(ir, "b", "call_function", torch.relu, (h,))
-    d1 = _node(ir, "d1", "call_function", torch.nn.functional.dropout, (h,), kwargs={"p": 0.5})
-    d2 = _node(ir, "d2", "call_function", torch.nn.functional.dropout, (h,), kwargs={"p": 0.5})
-    s = _node(ir, "s", "call_function", operator.add, (a, b))
-    t = _node(ir, "t", "call_function", operator.add, (d1, d2))
-    u = _node(ir, "u", "call_function", operator.add, (s, t))
-    _node(ir, "output", "output", None, (u,))
-    out = cse(ir)
-    names = [n.name for n in out.nodes]
-    assert "b" not in names and "d1" in names and "d2" in names
-    assert "add(%a, %a)" in str(out)
-
-
-def test_lift_alone_moves_src_only_rowwise_chain():
-    class Chain(ngra.VertexProgram):
-        def __init__(self):
-            super().__init__("sum")
-            self.lin = torch.nn.Linear(4, 6)
-
-        def apply_edge(self, e):
-            z = torch.relu(self.lin(e.src["h"])).view(-1, 2, 3)
-            return z * e.dst["h"][:, :3].unsqueeze(1)
-
-    prog = compiled(Chain())
-    lifted = lift(prog.raw_ir)
-    text = str(lifted)
-    for line in ("%lin: vertex[N, 6] f32 = lin(%h)",
-                 "%relu: vertex[N, 6] f32 = torch.relu(%lin)",
-                 "%view: vertex[N, 2, 3] f32 = %relu.view(-1, 2, 3)",
-                 "%getitem: vertex[N, 3] f32 = getitem(%h, (:, :3))",
-                 "%unsqueeze: vertex[N, 1, 3] f32 = %getitem.unsqueeze(1)"):
-        assert line in text, text
-    assert "gsddmm" not in text  # lift alone does not fuse
-    fused = fuse(lifted)
-    assert "gsddmm[u_mul_v](%view, %unsqueeze)" in str(fused)
-
-
-def test_lift_leaves_non_rowwise_ops_on_edges():
-    class NotRowwise(ngra.VertexProgram):
-        def apply_edge(self, e):
-            x = e.src["h"]
-            return x - x.mean(0, keepdim=True)  # mixes rows: per-edge mean != per-vertex mean
-
-    prog = compiled(NotRowwise())
-    # Not lifted, and not mislabelled: a mean over the edges is one row, not a per-edge value,
-    # so it is no edge operand of a g-SpMM either (that crashed: gspmm[u_sub_e](%h, %mean)).
-    assert str(prog.ir).splitlines()[2:] == [
-        "%mean: global[1, 4] f32 = %h_src.mean(0, keepdim=True)",
-        "%sub: edge[E, 4] f32 = sub(%h_src, %mean)",
-        "%acc: vertex[N, 4] f32 = gspmm[copy_e, sum](%sub)",
-        "return %acc"]
-    g = random_graph()
-    x = torch.randn(g.num_nodes, 4)
-    m = x[g.src]
-    expected = torch.zeros(g.num_nodes, 4).index_add_(0, g.dst, m - m.mean(0, keepdim=True))
-    torch.testing.assert_close(NotRowwise()(g, x), expected)
-
-
 @pytest.mark.parametrize("code, shape", [
     ("m.mean(0, keepdim=True)", "global[1, 3]"), ("m.norm(dim=0)", "global[3]"),
     ("m.sum()", "global[]"), ("m.amax(-2)", "global[3]"), ("m.sum(-1, keepdim=True)", "edge[E, 1]"),
@@ -210,29 +114,6 @@ def test_vertex_reductions_over_dim_0_are_global_too():
     ir = str(compiled(Center()).ir)
     assert "%mean: global[1, 4] f32 = %acc.mean(0, keepdim=True)" in ir
     assert "%sub: vertex[N, 4] f32 = sub(%acc, %mean)" in ir
-
-
-def test_fuse_alone_builds_sddmm_dot_and_spmm():
-    class Dot(ngra.VertexProgram):
-        def apply_edge(self, e):
-            score = (e.src["h"] * e.dst["h"]).sum(-1, keepdim=True)
-            return e.src["h"] * score
-
-    prog = compiled(Dot())
-    fused = fuse(prog.raw_ir)
-    assert str(fused).splitlines()[1:3] == [
-        "%u_dot_v: edge[E, 1] f32 = gsddmm[u_dot_v](%h, %h)",
-        "%acc: vertex[N, 4] f32 = gspmm[u_mul_e, sum](%h, %u_dot_v)",
-    ]
-
-
-def test_optimize_result_lints_and_passes_lint_inputs():
-    prog = compiled(LinearSrc())
-    assert optimize(prog.raw_ir).lint()
-    broken = prog.raw_ir.copy()
-    broken.nodes.pop(0)  # drop the input node: later nodes read an undefined value
-    with pytest.raises(IRError, match="before pass dce"):
-        optimize(broken)
 
 
 def test_program_repr_shows_signature_and_ir():
