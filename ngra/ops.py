@@ -14,9 +14,10 @@ engine's and a worker's row checks) and ``ngra.engine.plan._replayable`` (autogr
 operands, so the op gives the same rows on any subset of the rows (one column of a streamed
 graph, one worker's piece) and can be computed once per vertex instead of once per edge (lift).
 Whether a call is row-wise may depend on its arguments (``x.sum(1)`` is, ``x.sum(0)`` is not);
-``TorchOp.rows`` names the rule that decides it, implemented in :mod:`ngra.passes`. An op not in
-the table counts as mixing rows and impure-unknown: always correct in memory, never lifted or
-streamed.
+``TorchOp.rows`` names the rule that decides it, implemented in :mod:`ngra.passes`. A call not
+in the table counts as mixing rows: always correct in memory, never lifted or streamed. (Purity
+needs no entry: any torch or ``operator`` function or Tensor method is pure unless it draws
+random numbers or writes in place; a module is pure only if its entry says so.)
 
 In place: by torch's convention a name ending in ``_`` (``x.mul_(2)``), or an ``out=`` or
 ``inplace=True`` argument, writes into an existing tensor (:func:`writes_in_place`). The in-place

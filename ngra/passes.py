@@ -14,6 +14,9 @@ Row-wise means: row k of the output depends only on row k of the edge-domain inp
 row-wise; anything else (dropout, batch norm, reductions over dim 0, user functions) stays on the
 edge side, which is always correct in memory, only slower. The streaming engine refuses edge
 operations that are not row-wise, since it runs them on one column of edges at a time.
+
+What these passes know of torch calls (random, in place, which rule makes a call row-wise, which
+modules are pure) is the table :mod:`ngra.ops`.
 """
 
 from __future__ import annotations
