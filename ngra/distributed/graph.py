@@ -469,6 +469,28 @@ class DistGraph(Graph):
         the halo rows' gradients to their owners)."""
         return {key: _with_halo(u, self._halo) for key, u in values.items()}
 
+    def exchange_sources_async(self, values: dict, *, peers=None):
+        """:meth:`exchange_sources` without waiting: ``(extended, pending)``, where
+        ``extended[key]`` is ``[u; halo rows of u]`` whose halo rows owned by peer ``p`` hold
+        their values only after ``pending.wait(p)`` (a
+        :class:`~ngra.distributed.transport.PendingPulls`; ``pending.finish()`` waits for all,
+        and for this worker's own rows to be sent: call it before the call ends). ``peers``: the
+        order in which the per-peer transfers are posted (default ascending rank). Asynchronous
+        on the gloo point-to-point path only; on shared memory and NCCL every row is in when this
+        returns. Collective (same keys in the same order on every worker), differentiable (same
+        backward as :meth:`exchange_sources`), and the same values bit for bit."""
+        from .transport import PendingPulls, pull_extended
+
+        out, pulls = {}, []
+        for key, u in values.items():
+            if u.shape[0] != self._halo.n:
+                raise ValueError(f"a source operand must have one row per vertex of this worker "
+                                 f"({self._halo.n}) (got shape {tuple(u.shape)})")
+            out[key], pending = pull_extended(u, self._halo.plan(tuple(u.shape[1:]), u.dtype),
+                                              peers=peers)
+            pulls.append(pending)
+        return out, PendingPulls(pulls)
+
     def out_degrees(self) -> torch.Tensor:
         raise NotImplementedError("DistGraph.out_degrees: a worker does not hold the out-edges of "
                                   "its vertices (they are in other workers' pieces); compute them "
