@@ -93,7 +93,7 @@ def _worker(rank, world, folder, args):
         from partition import ChunkStore
 
         store = ChunkStore.open(d / "chunks", verify="lazy", mmap=False)
-        dg = DistGraph.from_store(store, t)
+        dg = DistGraph.from_store(store, t, exchange=args["exchange"])
         x, y = dg.read_rows(store, "x"), dg.read_rows(store, "y")
         del store
     else:
@@ -102,7 +102,7 @@ def _worker(rank, world, folder, args):
         x_all, y_all = np.load(d / "x.npy", mmap_mode="r"), np.load(d / "y.npy", mmap_mode="r")
         parts = torch.from_numpy(np.load(d / "parts.npy"))
         g = ngra.Graph._trusted(torch.from_numpy(src), torch.from_numpy(dst), args["num_nodes"])
-        dg = DistGraph.from_global(g, parts, t)
+        dg = DistGraph.from_global(g, parts, t, exchange=args["exchange"])
         ids = dg.global_ids.numpy()
         x = torch.from_numpy(np.ascontiguousarray(x_all[ids]))
         y = torch.from_numpy(np.ascontiguousarray(y_all[ids]))
@@ -138,7 +138,10 @@ def _worker(rank, world, folder, args):
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         ex1 = dg.exchange_stats()
         delta = {k: ex1.get(k, 0) - ex0.get(k, 0) for k in ex1}
-        exchange = delta.get("pull_s", 0) + delta.get("push_s", 0)
+        # Halo mode: the pulls and pushes block (the whole exchange is exposed). Ring mode: the
+        # transfers run behind the chunks' compute; only the waits for them are exposed.
+        exchange = delta.get("pull_s", 0) + delta.get("push_s", 0) + (
+            delta.get("wait_s", 0) if "ring_passes" in delta else 0)
         return {"wall": wall, "cpu": cpu, "exchange": exchange, "wait": delta.get("wait_s", 0),
                 "sync": sync, "compute_cpu": max(0.0, cpu - delta.get("cpu_s", 0) - sync_cpu),
                 "bytes_in": delta.get("bytes_in", 0),
@@ -149,11 +152,36 @@ def _worker(rank, world, folder, args):
     steps = [step() for _ in range(args["epochs"])]
     peak = sampler.stop()
     med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+    med["alone"] = _ring_alone(dg, med["bytes_in"]) if args["exchange"] == "ring" else 0.0
     return {"rank": rank, "n": dg.num_nodes, "halo": dg.num_halo, "edges": dg.num_edges,
             "peers": len(dg._halo.need), "piece_bytes": piece, "peak_rss": peak,
             "hwm": _status_bytes("VmHWM"),
             "intervals": engine.last_run["num_intervals"] if engine else 1,
             **med}
+
+
+def _ring_alone(dg, epoch_bytes_in: float) -> float:
+    """Seconds one ring pass takes with nothing to compute when it brings in as many bytes as a
+    training epoch's ring passes did (forward and backward): the transfer time that the epoch's
+    chunk compute could hide. Median of 3, the workers in step."""
+    import torch
+
+    ring = dg.ring()
+    # One width on every worker (the blocks' row layout must match): the workers' bytes over
+    # the rows they receive per pass, float32.
+    total = torch.tensor([float(epoch_bytes_in), float(sum(ring.sizes) - ring.sizes[ring.rank])],
+                         dtype=torch.float64)
+    dg.transport.allreduce_sum(total)
+    width = max(1, round(float(total[0]) / max(float(total[1]), 1.0) / 4))
+    u = torch.zeros(dg.num_nodes, width)
+    times = []
+    for _ in range(3):
+        dg.transport.fence()
+        t0 = time.perf_counter()
+        for _owner, _block in ring.blocks(u):
+            pass
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _run_config(folder: Path, world: int, args: dict) -> list[dict]:
@@ -221,6 +249,10 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", default="1,2,4")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--transport", choices=("shm", "gloo"), default="shm")
+    ap.add_argument("--exchanges", default="halo",
+                    help="exchange modes to compare, comma-separated: halo (the rows each worker "
+                         "needs), ring (NGra's ring chunk sharing; its transfers always go "
+                         "point-to-point over the process group, whatever --transport says)")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--features", type=int, default=128, help="R-MAT feature width")
@@ -251,6 +283,9 @@ def main(argv=None) -> int:
     if not workers or min(workers) < 1 or max(workers) > 16:
         ap.error(f"--workers must be between 1 and 16 (got {args.workers})")
     methods = [m for m in args.methods.split(",") if m]
+    exchanges = [x for x in args.exchanges.split(",") if x]
+    if not exchanges or set(exchanges) - {"halo", "ring"}:
+        ap.error(f"--exchanges: choose from halo, ring (got {args.exchanges})")
     if not methods or set(methods) - set(METHODS):
         ap.error(f"--methods: choose from {list(METHODS)} (got {args.methods})")
     if args.epochs < 1:
@@ -293,10 +328,11 @@ def main(argv=None) -> int:
                      "store": bool(args.from_store), "num_chunks": args.num_chunks,
                      "memory_budget": args.memory_budget}
             rows = []
-            for method in methods:
+            for method, exchange in [(m, x) for m in methods for x in exchanges]:
+                wargs["exchange"] = exchange
                 for k in workers:
-                    if k == 1 and method != methods[0]:
-                        continue  # one worker: the partition does not matter
+                    if k == 1 and (method != methods[0] or exchange != exchanges[0]):
+                        continue  # one worker: neither the partition nor the exchange matters
                     t0 = time.perf_counter()
                     if store is not None:  # runs of the store's intervals (METIS-ordered)
                         parts = DistGraph.store_parts(store, k)
@@ -307,13 +343,15 @@ def main(argv=None) -> int:
                     res = _run_config(folder, k, wargs)
                     stats = _partition_stats(g, parts, k)
                     rows.append({"method": method if k > 1 else "-", "k": k, "workers": res,
+                                 "exchange": exchange if k > 1 else "-",
                                  "partition_s": part_s, "stats": {
                                      s: v.tolist() for s, v in stats.items()}})
                     _print_row(rows[-1])
             report[name] = {"rows": rows}
             # A store's runs are not a partition method: project with METIS partitions.
+            # The cost model is of the halo exchange.
             report[name]["projection"] = _project(
-                g, rows, workers, project, ["metis" if m == "store" else m for m in methods],
+                g, [r for r in rows if r["exchange"] in ("-", "halo")], workers, project, ["metis" if m == "store" else m for m in methods],
                 partition)
         del g, x, y
     if args.json:
@@ -325,10 +363,15 @@ def _print_row(row) -> None:
     ws = row["workers"]
     mx = lambda k: max(w[k] for w in ws)  # noqa: E731
     mib = 1 << 20
-    print(f"  {row['method']:>10} K={row['k']}: halo MiB/epoch in {sum(w['bytes_in'] for w in ws) / mib:8.2f}"
+    # Share of the transfer time hidden behind compute: the ring's transfers overlap its chunks,
+    # so what is not waited for of a standalone pass moving the same bytes was hidden; the halo
+    # exchange blocks (nothing hidden).
+    alone = max(w["alone"] for w in ws)
+    hidden = f"{max(0.0, 1 - mx('wait') / alone) * 100:3.0f}%" if alone > 0 else "  0%"
+    print(f"  {row['method']:>10} {row['exchange']:>4} K={row['k']}: MiB/epoch in {sum(w['bytes_in'] for w in ws) / mib:8.2f}"
           f" | epoch {mx('wall') * 1e3:8.1f} ms = compute {max(w['wall'] - w['exchange'] - w['sync'] for w in ws) * 1e3:7.1f}"
           f" + exchange {mx('exchange') * 1e3:7.1f} (wait {mx('wait') * 1e3:6.1f}) + sync {mx('sync') * 1e3:6.1f}"
-          f" | compute CPU {mx('compute_cpu') * 1e3:7.1f} ms | hidden 0%"
+          f" | compute CPU {mx('compute_cpu') * 1e3:7.1f} ms | hidden {hidden}"
           f" | piece {mx('piece_bytes') / mib:7.1f} MiB, peak RSS {mx('peak_rss') / mib:7.0f} MiB"
           f" (whole life {mx('hwm') / mib:7.0f} MiB)"
           + (f" | streamed in {mx('intervals')} columns" if mx("intervals") > 1 else "")

@@ -24,9 +24,11 @@ ring and the halo rows are picked from them as they pass, then the op runs once,
 the halo mode (bit for bit).
 
 Backward runs the ring the other way: a block's gradient follows the block back, each worker
-adding its chunks' contributions, so after K - 1 steps it is home (autograd chains the steps;
-:class:`_RingStep`). Backward waits for each step (its transfers do not overlap the chunks'
-gradient kernels).
+adding its chunk's contribution, so after K - 1 hops it is home. For the chunked g-SpMM this is
+one autograd node (:class:`_RingGSpMM`) whose backward computes a chunk's gradient while the
+previous block's accumulated gradient travels; for the blocks picked into ``[u; halo rows]``,
+autograd chains the ring steps (:class:`_RingStep`), each waiting for its transfer. Every
+worker builds the same autograd graph (empty chunks included), so the steps pair up.
 
 Transfers are torch.distributed point-to-point (``isend`` / ``irecv`` on the transport's group:
 gloo on CPU, NCCL on GPU), one pair per step with the two ring neighbours, every wait bounded by
@@ -196,6 +198,76 @@ class _RingStep(torch.autograd.Function):
         return back, None
 
 
+class _RingGSpMM(torch.autograd.Function):
+    """A sum g-SpMM over the ring, chunk by chunk, with the transfers overlapped both ways.
+
+    Forward: the blocks come around the ring (:meth:`Ring.blocks` without autograd); each
+    chunk's kernel runs on its block while the next block is in flight, under a small autograd
+    graph of its own (detached leaves for the block and the chunk's edge values), kept for
+    backward. Backward walks the steps in reverse: at step s the gradient of the block held at
+    step s is this worker's chunk gradient plus what the next worker accumulated for the same
+    block, and goes on to the previous worker; the next step's chunk gradient is computed while
+    it travels. After K - 1 hops every block's gradient is home."""
+
+    @staticmethod
+    def forward(ctx, u, e, ring: "Ring", op: str, backend: str):
+        r, K = ring.rank, ring.world
+        need_u = u.requires_grad
+        need_e = e is not None and e.requires_grad
+        parts, out = [], None
+        for owner, block in ring.blocks(u.detach()):  # (autograd is off in a forward)
+            csr, pos = ring.chunks[owner]
+            with torch.enable_grad():
+                leaf = block.detach().requires_grad_(need_u)
+                ec = None if e is None else e.detach().index_select(0, pos).requires_grad_(need_e)
+                part = kernels.gspmm(csr, op, "sum", u=leaf, e=ec, backend=backend)
+            parts.append((leaf, ec, part))
+            out = part.detach().clone() if out is None else out.add_(part.detach())
+        ctx.ring, ctx.parts, ctx.need = ring, parts, (need_u, need_e)
+        ctx.e_shape = None if e is None else (e.shape, e.dtype, e.device)
+        ctx.rank, ctx.world = r, K
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ring, parts = ctx.ring, ctx.parts
+        need_u, need_e = ctx.need
+        r, K = ctx.rank, ctx.world
+        grad_out = grad_out.contiguous()
+        grad_e = None
+        if need_e:
+            shape, dtype, device = ctx.e_shape
+            grad_e = torch.zeros(shape, dtype=dtype, device=device)
+        grad_u, sending = None, []
+        for s in range(K - 1, -1, -1):
+            owner = (r - s) % K
+            leaf, ec, part = parts[s]
+            incoming = None
+            if need_u and s < K - 1:  # the next worker's sum for this block, posted first
+                acc = torch.empty_like(leaf)
+                incoming = _Handle(ring, ring._transfer(acc.new_empty(0), acc, ring.prev,
+                                                        ring.next, "backward"), acc, "backward")
+            wrt = [t for t, need in ((leaf, need_u), (ec, need_e)) if need]
+            grads = torch.autograd.grad(part, wrt, grad_out, allow_unused=True) if wrt else ()
+            grads = [torch.zeros_like(t) if g is None else g for t, g in zip(wrt, grads)]
+            if need_e:
+                grad_e.index_copy_(0, ring.chunks[owner][1], grads[-1])
+            if need_u:
+                g = grads[0]
+                if incoming is not None:
+                    g = g.add_(incoming.wait())
+                if s > 0:  # on to the worker that held this block one step earlier
+                    g = g.contiguous()
+                    sending.append((g, _Handle(ring, ring._transfer(g, g.new_empty(0),
+                                                                    ring.prev, ring.next,
+                                                                    "backward"), g, "backward")))
+                else:
+                    grad_u = g
+        for _, h in sending:
+            h.wait()
+        return grad_u, grad_e, None, None, None
+
+
 class RingOps(GraphOps):
     """Graph ops of a worker in ring mode (see the module docstring)."""
 
@@ -220,12 +292,7 @@ class RingOps(GraphOps):
             return super().gspmm(op, reduce, None, e)
         if reduce not in _CHUNKED_REDUCERS:
             return super().gspmm(op, reduce, self._extend(u), e)
-        out = None
-        for owner, block in self.ring.blocks(u):
-            csr, pos = self.ring.chunks[owner]
-            ec = None if e is None else e.index_select(0, pos)
-            part = kernels.gspmm(csr, op, "sum", u=block, e=ec, backend=self.backend)
-            out = part if out is None else out + part
+        out = _RingGSpMM.apply(u, e, self.ring, op, self.backend)
         if reduce == "mean":
             deg = self.ring.in_degree.clamp(min=1).to(out.dtype)
             out = out / deg.view(-1, *([1] * (out.dim() - 1)))
