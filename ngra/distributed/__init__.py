@@ -6,6 +6,10 @@
 - :mod:`ngra.distributed.graph`: a worker's piece of a partitioned graph (:class:`DistGraph`),
   on which every vertex program runs unchanged with a halo exchange where values cross
   Scatter; :func:`partition` (contiguous, METIS, random) and :func:`sync_gradients`.
+- :mod:`ngra.distributed.ring`: NGra's multi-device chunk sharing, the second exchange mode
+  (``DistGraph.with_exchange("ring")``, ``ngra train --exchange ring``): every worker's rows
+  circulate around a ring of workers while each computes a sum / mean Gather on the block it
+  holds; the halo mode moves only the halo rows, the ring every block past every worker.
 - :mod:`ngra.distributed.launch`: starting workers under ``torchrun`` or from ``ngra train
   --workers K`` (torch's elastic launcher).
 
@@ -18,8 +22,10 @@ the state, which is the same on every worker, with each worker's RNG states; eve
 it back on ``--resume``, bit for bit on the CPU, also after an elastic restart). Inside
 ``ngra.Engine(...)`` (``ngra train --workers K --num-chunks P`` / ``--memory-budget``) each worker
 streams its own piece: its destination columns one at a time under its own budget, with each
-source operand's halo rows exchanged once per layer call before the columns run. Not supported
-yet: NGra's ring chunk sharing, overlapping the exchange with compute.
+source operand's halo rows exchanged once per layer call, on gloo point-to-point overlapped with
+the columns that do not need them (``Engine(column_order=...)``). Not supported yet: dropout
+masks that do not depend on the partition; the ring mode inside the streaming engine (streamed
+layers use the halo exchange); overlap in the in-memory halo mode (its exchange blocks).
 
 ``DistGraph.from_store`` reads a worker's piece from an on-disk chunk store (only the chunk
 columns of its vertex intervals: their in-edges). ``ngra train --dataset FOLDER`` on a dataset
