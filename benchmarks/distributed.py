@@ -9,13 +9,18 @@ warm-up step. Each worker reports:
 - halo bytes in / out per epoch (forward pulls and backward pushes, other workers only);
 - epoch wall time split into *exchange* (halo pulls and pushes, of which *wait* is the time
   spent waiting for peers to arrive), *sync* (the gradient all-reduce) and *compute* (the rest);
-  the exchange is not overlapped with compute yet, so the share hidden is 0;
+  with ``--exchanges ring`` the ring's transfers run behind its chunks' compute and only its
+  waits count as exchange; the share hidden is 1 - wait / a standalone ring pass moving the
+  same bytes (the halo exchange blocks: 0);
 - CPU seconds of compute (process CPU time outside the exchange and the all-reduce, with one
   torch and one numba thread per worker), which does not count time lost to other workers on
   the same cores (this 2-core machine runs 4 workers on 2 cores);
-- piece bytes (its edges, CSR and vertex rows), peak resident memory during training
-  (sampled from /proc, after the whole graph was dropped) and over the worker's whole life
-  (VmHWM, which includes reading and cutting the whole graph unless ``--from-store``).
+- piece bytes (its edges, CSR and vertex rows), peak resident memory during training (sampled
+  from /proc, after the whole graph was dropped), the same less the runtime's own (the RSS
+  after one step of the model on a 4-vertex graph: interpreter, torch, numba, compiled kernels;
+  what remains is the graph's data and the epoch's tensors, the part that should fall as 1/K),
+  and over the worker's whole life (VmHWM, which includes reading and cutting the whole graph
+  unless ``--from-store``).
 
 ``--from-store P`` writes the graph once as a chunk store of P METIS-ordered intervals with its
 features and labels; each worker then reads only its piece (``DistGraph.from_store``: its chunk
@@ -86,6 +91,15 @@ def _worker(rank, world, folder, args):
     from ngra.nn.models import build_model
 
     t = Transport(timeout=600, shared_memory=(args["transport"] == "shm") and world > 1)
+    # The runtime's own memory (interpreter, torch, numba and the compiled kernels): the model
+    # trained one step on a 4-vertex graph of the same widths, before any graph data is read.
+    # Peak RSS minus this is what the graph's data and the epoch's tensors take.
+    tiny = ngra.Graph(torch.tensor([0, 1, 2, 3]), torch.tensor([1, 2, 3, 0]), 4)
+    torch.manual_seed(0)
+    warm = build_model("gcn", args["features"], args["hidden"], args["classes"], dropout=0.0)
+    warm(tiny, torch.randn(4, args["features"])).sum().backward()
+    del warm, tiny
+    base = _status_bytes()
     d = Path(folder)
     if args["store"]:
         # The piece alone is read: the worker's chunk columns (its in-edges) and its feature
@@ -154,7 +168,7 @@ def _worker(rank, world, folder, args):
     med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
     med["alone"] = _ring_alone(dg, med["bytes_in"]) if args["exchange"] == "ring" else 0.0
     return {"rank": rank, "n": dg.num_nodes, "halo": dg.num_halo, "edges": dg.num_edges,
-            "peers": len(dg._halo.need), "piece_bytes": piece, "peak_rss": peak,
+            "peers": len(dg._halo.need), "piece_bytes": piece, "peak_rss": peak, "base_rss": base,
             "hwm": _status_bytes("VmHWM"),
             "intervals": engine.last_run["num_intervals"] if engine else 1,
             **med}
@@ -324,6 +338,7 @@ def main(argv=None) -> int:
                 np.save(folder / "x.npy", x.numpy())
                 np.save(folder / "y.npy", y.numpy())
             wargs = {"num_nodes": g.num_nodes, "hidden": args.hidden, "classes": classes,
+                     "features": x.shape[1],
                      "epochs": args.epochs, "transport": args.transport, "timeout": args.timeout,
                      "store": bool(args.from_store), "num_chunks": args.num_chunks,
                      "memory_budget": args.memory_budget}
@@ -373,6 +388,7 @@ def _print_row(row) -> None:
           f" + exchange {mx('exchange') * 1e3:7.1f} (wait {mx('wait') * 1e3:6.1f}) + sync {mx('sync') * 1e3:6.1f}"
           f" | compute CPU {mx('compute_cpu') * 1e3:7.1f} ms | hidden {hidden}"
           f" | piece {mx('piece_bytes') / mib:7.1f} MiB, peak RSS {mx('peak_rss') / mib:7.0f} MiB"
+          f" (over the runtime's {max(w['peak_rss'] - w['base_rss'] for w in ws) / mib:6.0f})"
           f" (whole life {mx('hwm') / mib:7.0f} MiB)"
           + (f" | streamed in {mx('intervals')} columns" if mx("intervals") > 1 else "")
           + f" | partition {row['partition_s']:.1f} s", flush=True)
