@@ -11,8 +11,8 @@ streaming its piece in ``--num-chunks`` columns:
    ``StreamCosts`` (seconds per column, per column edge and per edge and row byte, per peer and
    per halo byte) on the medians over the steps of its column times and blocking exchange
    times;
-2. ``--reps`` rounds of one step of each order in turn (fixed, overlap, searched), all with
-   the fitted costs.
+2. ``--reps`` rounds of one step of each order in turn (fixed, overlap, searched, the first
+   one rotating), all with the fitted costs.
 
 Per order (means over workers of each worker's median): epoch time (forward, backward, gradient
 all-reduce, Adam), *streamed forward* (the two layers' calls from the exchange's start to the
@@ -125,8 +125,10 @@ def _worker(rank, world, folder, args):
     for e in engines.values():
         step(e)  # warm-up: the order's search, first pulls of each plan
     runs: dict = {o: [] for o in ORDERS}
-    for _ in range(args["reps"]):
-        for o in ORDERS:  # one step of each order in turn: load drifts hit all three alike
+    for r in range(args["reps"]):
+        # One step of each order in turn (load drifts hit all three alike), the first one
+        # rotating from round to round (no order always follows the same one).
+        for o in ORDERS[r % 3:] + ORDERS[:r % 3]:
             runs[o].append(step(engines[o]))
     med = {o: {k: statistics.median(s[k] for s in runs[o])
                for k in ("epoch", "stream", "exposed", "wait", "columns", "predicted")}
@@ -217,7 +219,8 @@ def main(argv=None):
     ap.add_argument("--num-chunks", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--steps", type=int, default=7, help="calibration steps")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=12, help="rounds (a multiple of 3: each order "
+                    "comes first equally often)")
     ap.add_argument("--partition", default="metis", choices=("metis", "contiguous", "random"))
     ap.add_argument("--relabel", default="boundary-first,none",
                     help="comma list of none, boundary-first, interior-first")

@@ -56,12 +56,12 @@ class Engine:
 
     ``column_order`` matters on a worker's piece of a distributed graph (a ``DistGraph``) only:
 
-    - ``"fixed"``: one blocking halo exchange of every source operand, then columns
-      ``0..P-1``;
+    - ``"fixed"`` (the default): one blocking halo exchange of every source operand, then
+      columns ``0..P-1``;
     - ``"overlap"``: the exchange starts without waiting (per-peer transfers on the gloo
       point-to-point path), columns ``0..P-1`` each wait only for the peers whose rows they
       read;
-    - ``"searched"`` (the default): as ``"overlap"``, in the order of transfers and columns
+    - ``"searched"``: as ``"overlap"``, in the order of transfers and columns
       that :func:`ngra.schedule.streaming.plan_streaming_order` finds best on a model of the
       call (a column's compute ``per_column_s + edges * (per_edge_s + row_bytes *
       per_edge_byte_s)``, a peer's transfer ``latency_s + bytes * per_byte_s``, from
@@ -77,7 +77,13 @@ class Engine:
     reads a parameter directly (not lifted out of the edges) runs ``"fixed"``, since its
     gradient would be summed in run order. On shared memory (co-located workers, the
     transport's default) the exchange itself is synchronous, so only the order changes; the
-    overlap needs ``Transport(shared_memory=False)`` or workers on several hosts.
+    overlap needs ``Transport(shared_memory=False)`` or workers on several hosts. Why
+    ``"fixed"`` is the default: on this project's 2-core machine (benchmarks/streaming_order.py,
+    benchmarks/README.md) the searched order saved 1-5% of the streamed forward over a
+    200 Mbit/s link where a piece's vertices are numbered boundary first, and nothing
+    measurable over loopback or with the pieces' own numbering (where nearly every column
+    reads every peer, so no order can run anything before the halo arrives); the transfer's
+    CPU work also slows the columns it overlaps on busy cores.
 
     After a run, ``engine.last_run`` holds figures of the last streamed call (P, columns, the
     estimate of its edge-level working set and its resident vertex bytes; on a DistGraph also
@@ -86,7 +92,7 @@ class Engine:
     """
 
     def __init__(self, memory_budget=None, num_chunks=None, store=None, *, ordering=None,
-                 prefetch: bool = True, backend: str = "auto", column_order: str = "searched",
+                 prefetch: bool = True, backend: str = "auto", column_order: str = "fixed",
                  stream_costs: StreamCosts | None = None):
         given = [name for name, v in (("memory_budget", memory_budget), ("num_chunks", num_chunks),
                                       ("store", store)) if v is not None]
