@@ -32,6 +32,8 @@ SPMM_OPS = ("copy_u", "copy_e", "u_add_e", "u_sub_e", "u_mul_e", "u_div_e")
 class GraphOps:
     """The graph stages of one run: ``csr`` is the graph grouped by destination."""
 
+    edge_ids = None  # global edge id of each edge (a worker's piece); None: 0..E-1
+
     def __init__(self, csr: "kernels.CSR", backend: str = "auto"):
         self.csr = csr
         self.backend = backend
@@ -253,7 +255,9 @@ def run_ir(ir: IR, layer: torch.nn.Module, ops: GraphOps, vdata: dict, edata: di
     ``record``, when given, receives ``id(node) -> value`` for every node (shape propagation).
     Edge dropout draws its seeds first (:class:`EdgeRandom`), as the streaming engine does.
     """
-    rng = EdgeRandom.draw(ir, layer)
+    # A worker's piece names its edges' global ids, so that its edge dropout masks are the
+    # single process's (ops.edge_ids: None on a whole graph, rows 0..E-1).
+    rng = EdgeRandom.draw(ir, layer).at(ops.edge_ids)
     env: dict[int, Any] = {}
     drops = _last_uses(ir)
     load = lambda n: env[id(n)]  # noqa: E731

@@ -16,15 +16,16 @@
 Every zoo model's outputs, loss and parameter gradients equal the single-process run (tested on
 1-4 workers, with random / contiguous / METIS partitions, a worker without vertices and one
 without in-edges). Layers that mix rows across vertices or edges (batch norm in training, dim-0
-reductions) are refused on a ``DistGraph``; dropout masks depend on the partition (a piece
-numbers its rows locally). ``ngra train --checkpoint`` works on several workers (rank 0 writes
+reductions) are refused on a ``DistGraph``. Dropout masks do not depend on the partition: vertex
+features are masked by global row (CPU), edge values (GAT's attention) by global edge id, self
+loops added on a piece included, so K workers drop what one process drops with the same seed. ``ngra train --checkpoint`` works on several workers (rank 0 writes
 the state, which is the same on every worker, with each worker's RNG states; every worker reads
 it back on ``--resume``, bit for bit on the CPU, also after an elastic restart). Inside
 ``ngra.Engine(...)`` (``ngra train --workers K --num-chunks P`` / ``--memory-budget``) each worker
 streams its own piece: its destination columns one at a time under its own budget, with each
 source operand's halo rows exchanged once per layer call, on gloo point-to-point overlapped with
-the columns that do not need them (``Engine(column_order=...)``). Not supported yet: dropout
-masks that do not depend on the partition; the ring mode inside the streaming engine (streamed
+the columns that do not need them (``Engine(column_order=...)``). Not supported yet: the ring
+mode inside the streaming engine (streamed
 layers use the halo exchange); overlap in the in-memory halo mode (its exchange blocks).
 
 ``DistGraph.from_store`` reads a worker's piece from an on-disk chunk store (only the chunk

@@ -207,7 +207,7 @@ class DistGraph(Graph):
     global ids of its edges (``feat[dg.edge_ids]``: its rows of an edge tensor)."""
 
     __slots__ = ("_num_src", "_halo", "global_ids", "edge_ids", "halo_ids", "store_rows",
-                 "exchange", "_ring")
+                 "exchange", "_ring", "global_size")
 
     @classmethod
     def from_global(cls, g: Graph, parts, transport: Transport, *,
@@ -257,7 +257,7 @@ class DistGraph(Graph):
                        _Halo(transport, n, need))
         dg.global_ids, dg.edge_ids, dg.halo_ids = own.to(g.device), eids.to(g.device), \
             halo.to(g.device)
-        dg.exchange = exchange
+        dg.exchange, dg.global_size = exchange, (n_all, g.num_edges)
         return dg
 
     @classmethod
@@ -314,7 +314,7 @@ class DistGraph(Graph):
         dg.halo_ids = torch.from_numpy(perm[halo].astype(np.int64))
         dg.edge_ids = torch.from_numpy(e)
         dg.store_rows = (lo, hi)
-        dg.exchange = exchange
+        dg.exchange, dg.global_size = exchange, (int(store.num_nodes), int(store.num_edges))
         return dg
 
     @staticmethod
@@ -353,13 +353,19 @@ class DistGraph(Graph):
         dg._src, dg._dst, dg._num_nodes, dg._in_csr = src, dst, int(n), None
         dg._num_src, dg._halo = int(num_src), halo
         dg.global_ids = dg.edge_ids = dg.halo_ids = dg.store_rows = dg._ring = None
-        dg.exchange = "halo"
+        dg.exchange, dg.global_size = "halo", None
         return dg
 
-    def _derive(self, src, dst, edge_ids) -> "DistGraph":
+    def _derive(self, src, dst, edge_ids, num_edges=None) -> "DistGraph":
+        """The piece of a graph derived from the whole graph (same vertices): edges ``src`` /
+        ``dst`` with global ids ``edge_ids`` in a whole graph of ``num_edges`` edges (default:
+        this one's)."""
         dg = DistGraph._make(src, dst, self._num_nodes, self._num_src, self._halo)
         dg.global_ids, dg.halo_ids, dg.edge_ids = self.global_ids, self.halo_ids, edge_ids
         dg.store_rows, dg.exchange = self.store_rows, self.exchange
+        if self.global_size is not None:
+            dg.global_size = (self.global_size[0],
+                              self.global_size[1] if num_edges is None else num_edges)
         return dg
 
     def with_exchange(self, mode: str) -> "DistGraph":
@@ -452,8 +458,11 @@ class DistGraph(Graph):
         if self.exchange == "ring":
             from .ring import RingOps
 
-            return RingOps(self.in_csr(), backend, self.ring())
-        return DistOps(self.in_csr(), backend, self._halo)
+            ops = RingOps(self.in_csr(), backend, self.ring())
+        else:
+            ops = DistOps(self.in_csr(), backend, self._halo)
+        ops.edge_ids = self.edge_ids  # global ids: edge dropout draws as one process does
+        return ops
 
     def check_program(self, program) -> None:
         """Raise unless the compiled layer ``program`` acts row by row (see the module
@@ -500,15 +509,28 @@ class DistGraph(Graph):
         raise NotImplementedError("DistGraph.out_csr: a worker holds in-edges only")
 
     def add_self_loops(self) -> "DistGraph":
+        """The piece of ``g.add_self_loops()``: a loop on every own vertex, with the global id
+        the whole graph gives it (``E + v``), so edge dropout draws what one process draws."""
         loops = torch.arange(self._num_nodes, device=self.device)
-        extra = None if self.edge_ids is None else torch.full_like(loops, -1)
-        eids = None if self.edge_ids is None else torch.cat([self.edge_ids, extra])
-        return self._derive(torch.cat([self._src, loops]), torch.cat([self._dst, loops]), eids)
+        n_all, e_all = self.global_size
+        eids = torch.cat([self.edge_ids, e_all + self.global_ids.to(self.edge_ids.device)])
+        return self._derive(torch.cat([self._src, loops]), torch.cat([self._dst, loops]), eids,
+                            e_all + n_all)
 
     def remove_self_loops(self, *, return_eids: bool = False):
-        eids = torch.nonzero(self._src != self._dst).flatten()
-        dg = self._derive(self._src[eids], self._dst[eids],
-                          None if self.edge_ids is None else self.edge_ids[eids])
+        """The piece of ``g.remove_self_loops()``; ``eids`` (with ``return_eids``) are positions
+        among this piece's edges (``feat[eids]`` of its edge rows). The surviving edges get the
+        global ids the whole graph's ``remove_self_loops`` gives them (their rank among the
+        surviving edges): every worker's loop ids are gathered once (collective; a vertex's
+        loops are in its owner's piece)."""
+        keep = self._src != self._dst
+        eids = torch.nonzero(keep).flatten()
+        loops = self.edge_ids[~keep].cpu().numpy()
+        every = np.sort(np.concatenate(self.transport.gather_objects(loops)))
+        kept = self.edge_ids[eids].cpu()
+        new_ids = kept - torch.from_numpy(np.searchsorted(every, kept.numpy()).astype(np.int64))
+        dg = self._derive(self._src[eids], self._dst[eids], new_ids.to(self.edge_ids.device),
+                          self.global_size[1] - int(every.size))
         return (dg, eids) if return_eids else dg
 
     def reverse(self):

@@ -239,7 +239,8 @@ class _Run:
         ``watch.done(k, value)`` after. ``partial``: ``col`` is one chunk of a column, and a mean
         is reduced as a sum (divided by the in-degree once the column is done)."""
         ops = GraphOps(col.csr, self.engine.backend)
-        rng = self.rng.at(col.eids)
+        gids = getattr(self.g, "edge_ids", None)  # a worker's piece: its edges' global ids
+        rng = self.rng.at(col.eids if gids is None else gids[col.eids.to(gids.device)])
         plan = self.plan
         nodes = plan.edge if upto is None else plan.edge[:upto + 1]
         env: dict[int, Any] = {}

@@ -20,15 +20,25 @@ __all__ = ["GNN", "MODELS", "build_model"]
 MODELS = ("gcn", "sage", "sage-pool", "gat", "gin", "ggcn", "ggnn", "rgcn", "commnet")
 
 
-def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+def _dropout(x: torch.Tensor, p: float, training: bool, g=None) -> torch.Tensor:
     """``F.dropout(x, p, training)`` with a counter-based mask on the CPU (``kernels._dropout``:
     parallel, no mask saved for backward), seeded by one draw from torch's default generator, so
-    ``torch.manual_seed`` fixes it. Other devices and dtypes use ``F.dropout``."""
+    ``torch.manual_seed`` fixes it. Other devices and dtypes use ``F.dropout``.
+
+    On a worker's piece of a distributed graph (``g.global_ids``: the global id of each row of
+    ``x``), an element's mask bit is that of its global row, so K workers drop exactly what one
+    process drops with the same seed (the generators of all workers are in step)."""
     if not training or p == 0.0:
         return x
     if p == 1.0 or not _fast_dropout.supported(x):
         return F.dropout(x, p, training)
-    return _fast_dropout.dropout(x, p, int(torch.randint(0, 1 << 62, (1,)).item()))
+    seed = int(torch.randint(0, 1 << 62, (1,)).item())
+    ids = getattr(g, "global_ids", None)
+    if ids is not None and ids.shape[0] == x.shape[0]:
+        # The flat-index mask of rows ids (element j of row r is element ids[r] * width + j).
+        threshold = int(round((1.0 - p) * (1 << 24)))
+        return _fast_dropout.edge_dropout(x, ids.to(torch.int64), seed, threshold, 1.0 / (1.0 - p))
+    return _fast_dropout.dropout(x, p, seed)
 
 
 _ACTIVATIONS = {"relu": F.relu, "elu": F.elu, "identity": lambda x: x}
@@ -62,14 +72,14 @@ class GNN(torch.nn.Module):
     def forward(self, g, x: torch.Tensor, **kwargs) -> torch.Tensor:
         act = _ACTIVATIONS[self.activation]
         if self.encoder is not None:
-            x = self.encoder(_dropout(x, self.dropout, self.training))
+            x = self.encoder(_dropout(x, self.dropout, self.training, g))
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(g, _dropout(x, self.dropout, self.training), **kwargs)
+            x = layer(g, _dropout(x, self.dropout, self.training, g), **kwargs)
             if i < last:
                 x = act(x)
         if self.decoder is not None:
-            x = self.decoder(_dropout(x, self.dropout, self.training))
+            x = self.decoder(_dropout(x, self.dropout, self.training, g))
         return x
 
 
