@@ -87,3 +87,11 @@ def test_engine_refuses_an_unknown_column_order():
     with pytest.raises(ValueError, match="column_order must be one of 'fixed', 'overlap', "
                                          "'searched' \\(got 'best'\\)"):
         ngra.Engine(num_chunks=2, column_order="best")
+
+
+def test_a_worker_without_peers_or_columns():
+    alone = plan_streaming_order([5, 0, 3], [set(), set(), set()], {}, UNIT)
+    assert alone.columns == (0, 1, 2) and alone.peers == ()
+    assert alone.predicted_s == pytest.approx(8, abs=1e-9) == pytest.approx(alone.fixed_s)
+    empty = plan_streaming_order([], [], {1: 4}, UNIT)  # a worker with no vertices still serves
+    assert empty.columns == () and empty.predicted_s == pytest.approx(4)
