@@ -380,11 +380,13 @@ class Engine:
         operands hold ``row_bytes`` bytes per vertex (cached per graph, P, row bytes and
         costs)."""
         peers = self._column_peers(g, layout)
-        key = (id(self._canonical(g)), layout.num_intervals, "order", row_bytes,
-               self.stream_costs)
+        rows = torch.bincount(g.halo_owner.cpu(), minlength=g.transport.world_size)
+        peer_bytes = {q: int(rows[q]) * row_bytes for q in range(len(rows)) if int(rows[q])}
+        # Keyed by content, not by graph: a layer that derives its graph at every call (GAT adds
+        # self loops) gets a new DistGraph each time, with the same columns.
+        key = ("order", tuple(map(tuple, peers)), tuple(int(e) for e in layout.column_edges),
+               tuple(sorted(peer_bytes.items())), row_bytes, self.stream_costs)
         if key not in self._orderings:
-            rows = torch.bincount(g.halo_owner.cpu(), minlength=g.transport.world_size)
-            peer_bytes = {q: int(rows[q]) * row_bytes for q in range(len(rows)) if int(rows[q])}
             self._orderings[key] = plan_streaming_order(layout.column_edges, peers, peer_bytes,
                                                         self.stream_costs, row_bytes=row_bytes)
         return self._orderings[key], peers

@@ -54,8 +54,12 @@ def test_many_peers_fall_back_to_list_scheduling():
     assert not order.exact
     check(order.schedule)
     assert order.predicted_s <= order.fixed_s + 1e-12
-    _, exact = search_order(streaming_problem(edges, reads, nbytes, UNIT), exact_peers=8)
-    assert exact
+    edges, reads, nbytes = _random_case(4, columns=6, peers=5)
+    problem = streaming_problem(edges, reads, nbytes, UNIT)
+    listed, exact = search_order(problem)  # 5 peers > the default 4: list scheduling
+    assert not exact
+    best, exact = search_order(problem, exact_peers=5)
+    assert exact and best.makespan <= listed.makespan + 1e-12
 
 
 def test_cost_fit_recovers_known_costs_and_refuses_bad_input():
