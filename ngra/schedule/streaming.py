@@ -21,8 +21,8 @@ peer a column needs is fixed, and running the columns by earliest ``r_j`` first 
 is optimal for one machine with release dates and no deadlines (``1 | r_j | Cmax``: an exchange
 argument, Lawler 1973), so trying every transfer order (up to ``exact_peers`` peers, 4 by
 default: 24 orders, about 1 ms; 6 peers take 60-200 ms) gives the optimum of the model; beyond,
-the transfer orders tried are ascending rank and a few greedy ones (list scheduling). Tests check the result against
-:func:`~ngra.schedule.baselines.brute_force` on small problems.
+the transfer orders tried are ascending rank and a few greedy ones (list scheduling). Tests
+check the result against :func:`~ngra.schedule.baselines.brute_force` on small problems.
 
 Costs (:class:`StreamCosts`) come from measurements: :meth:`StreamCosts.fit` takes measured
 per-column compute times and per-peer transfer times (the engine records both in
