@@ -387,6 +387,7 @@ def _print_row(row) -> None:
           f" | epoch {mx('wall') * 1e3:8.1f} ms = compute {max(w['wall'] - w['exchange'] - w['sync'] for w in ws) * 1e3:7.1f}"
           f" + exchange {mx('exchange') * 1e3:7.1f} (wait {mx('wait') * 1e3:6.1f}) + sync {mx('sync') * 1e3:6.1f}"
           f" | compute CPU {mx('compute_cpu') * 1e3:7.1f} ms | hidden {hidden}"
+          + (f" (ring pass alone {alone * 1e3:.1f} ms)" if alone > 0 else "")
           f" | piece {mx('piece_bytes') / mib:7.1f} MiB, peak RSS {mx('peak_rss') / mib:7.0f} MiB"
           f" (over the runtime's {max(w['peak_rss'] - w['base_rss'] for w in ws) / mib:6.0f})"
           f" (whole life {mx('hwm') / mib:7.0f} MiB)"

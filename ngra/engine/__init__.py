@@ -75,6 +75,12 @@ Where the columns come from
   (``DistGraph.exchange_sources``, the same values in the same order on every worker), and
   every column reads the extended value; backward returns the halo rows' gradients to their
   owners once, after the last column. Each worker chooses its own P under its own budget.
+  ``Engine(column_order="overlap" | "searched")`` posts the exchange without waiting (gloo
+  point-to-point) and runs each column once the peers it reads have arrived, in column order or
+  in the order :mod:`ngra.schedule.streaming` finds shortest; results are bit for bit those of
+  the default ``"fixed"`` (blocking exchange, then columns 0..P-1). The default stays
+  ``"fixed"``: over loopback on 2 shared cores the other orders gained nothing measurable
+  (``benchmarks/streaming_order.py``).
 
 Columns of in-memory graphs (their CSR, and the transposed CSR the kernels cache on it in
 backward) are prepared by the first calls and cached by the engine, as the graph caches its own
