@@ -12,6 +12,9 @@ computed on and the one arriving), and after K - 1 steps it has seen every block
 crosses every link once, so each worker receives ``sum_{o != r} n_o`` rows per operand, against
 the halo mode's halo rows only: the ring moves more bytes on a well-partitioned graph, but needs
 no row lists, no gather on the sender, and its transfers overlap compute by construction.
+Memory: without autograd two blocks live at a time; in training the chunked g-SpMM keeps every
+block it received until backward (all N rows of the operand, where the halo mode keeps its
+``n + halo`` rows), because the chunk kernels' gradients read them.
 
 Which ops compute chunk by chunk (:class:`RingOps`): a g-SpMM with a sum or mean reducer reading
 ``u`` (``copy_u``, ``u_mul_e``, ...): each chunk's partial sum is added as its block arrives (a
