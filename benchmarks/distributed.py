@@ -383,11 +383,12 @@ def _print_row(row) -> None:
     # exchange blocks (nothing hidden).
     alone = max(w["alone"] for w in ws)
     hidden = f"{max(0.0, 1 - mx('wait') / alone) * 100:3.0f}%" if alone > 0 else "  0%"
+    if alone > 0:
+        hidden += f" (ring pass alone {alone * 1e3:.1f} ms)"
     print(f"  {row['method']:>10} {row['exchange']:>4} K={row['k']}: MiB/epoch in {sum(w['bytes_in'] for w in ws) / mib:8.2f}"
           f" | epoch {mx('wall') * 1e3:8.1f} ms = compute {max(w['wall'] - w['exchange'] - w['sync'] for w in ws) * 1e3:7.1f}"
           f" + exchange {mx('exchange') * 1e3:7.1f} (wait {mx('wait') * 1e3:6.1f}) + sync {mx('sync') * 1e3:6.1f}"
           f" | compute CPU {mx('compute_cpu') * 1e3:7.1f} ms | hidden {hidden}"
-          + (f" (ring pass alone {alone * 1e3:.1f} ms)" if alone > 0 else "")
           f" | piece {mx('piece_bytes') / mib:7.1f} MiB, peak RSS {mx('peak_rss') / mib:7.0f} MiB"
           f" (over the runtime's {max(w['peak_rss'] - w['base_rss'] for w in ws) / mib:6.0f})"
           f" (whole life {mx('hwm') / mib:7.0f} MiB)"
