@@ -12,9 +12,9 @@ computed on and the one arriving), and after K - 1 steps it has seen every block
 crosses every link once, so each worker receives ``sum_{o != r} n_o`` rows per operand, against
 the halo mode's halo rows only: the ring moves more bytes on a well-partitioned graph, but needs
 no row lists, no gather on the sender, and its transfers overlap compute by construction.
-Memory: without autograd two blocks live at a time; in training the chunked g-SpMM keeps every
-block it received until backward (all N rows of the operand, where the halo mode keeps its
-``n + halo`` rows), because the chunk kernels' gradients read them.
+Memory: two blocks live at a time, except that in training a chunked g-SpMM whose gradient
+reads the source rows (``u_mul_e`` and the like; not ``copy_u``) keeps every block it received
+until backward (all N rows of the operand, where the halo mode keeps its ``n + halo`` rows).
 
 Which ops compute chunk by chunk (:class:`RingOps`): a g-SpMM with a sum or mean reducer reading
 ``u`` (``copy_u``, ``u_mul_e``, ...): each chunk's partial sum is added as its block arrives (a
@@ -220,6 +220,13 @@ class _RingGSpMM(torch.autograd.Function):
         parts, out = [], None
         for owner, block in ring.blocks(u.detach()):  # (autograd is off in a forward)
             csr, pos = ring.chunks[owner]
+            if e is None and op == "copy_u":
+                # A sum of source rows: its gradient needs no block (the transposed chunk sums
+                # grad_out instead), so no block is kept past its step.
+                part = kernels.gspmm(csr, op, "sum", u=block, backend=backend)
+                parts.append(None)
+                out = part if out is None else out.add_(part)
+                continue
             with torch.enable_grad():
                 leaf = block.detach().requires_grad_(need_u)
                 ec = None if e is None else e.detach().index_select(0, pos).requires_grad_(need_e)
@@ -228,7 +235,7 @@ class _RingGSpMM(torch.autograd.Function):
             out = part.detach().clone() if out is None else out.add_(part.detach())
         ctx.ring, ctx.parts, ctx.need = ring, parts, (need_u, need_e)
         ctx.e_shape = None if e is None else (e.shape, e.dtype, e.device)
-        ctx.rank, ctx.world = r, K
+        ctx.rank, ctx.world, ctx.backend, ctx.u_row = r, K, backend, tuple(u.shape[1:])
         return out
 
     @staticmethod
@@ -244,15 +251,20 @@ class _RingGSpMM(torch.autograd.Function):
         grad_u, sending = None, []
         for s in range(K - 1, -1, -1):
             owner = (r - s) % K
-            leaf, ec, part = parts[s]
             incoming = None
             if need_u and s < K - 1:  # the next worker's sum for this block, posted first
-                acc = torch.empty_like(leaf)
+                acc = grad_out.new_empty((ring.sizes[owner], *ctx.u_row))
                 incoming = _Handle(ring, ring._transfer(acc.new_empty(0), acc, ring.prev,
                                                         ring.next, "backward"), acc, "backward")
-            wrt = [t for t, need in ((leaf, need_u), (ec, need_e)) if need]
-            grads = torch.autograd.grad(part, wrt, grad_out, allow_unused=True) if wrt else ()
-            grads = [torch.zeros_like(t) if g is None else g for t, g in zip(wrt, grads)]
+            if parts[s] is None:  # copy_u: the transposed chunk's sum of grad_out
+                csr = ring.chunks[owner][0]
+                grads = [kernels.gspmm(csr.transpose(), "copy_u", "sum", u=grad_out,
+                                       backend=ctx.backend)]
+            else:
+                leaf, ec, part = parts[s]
+                wrt = [t for t, need in ((leaf, need_u), (ec, need_e)) if need]
+                grads = torch.autograd.grad(part, wrt, grad_out, allow_unused=True) if wrt else ()
+                grads = [torch.zeros_like(t) if g is None else g for t, g in zip(wrt, grads)]
             if need_e:
                 grad_e.index_copy_(0, ring.chunks[owner][1], grads[-1])
             if need_u:
