@@ -106,7 +106,10 @@ class Ring:
         self.chunks: dict[int, tuple] = {}
         for o in range(K):
             pos = torch.nonzero(owner == o).flatten()
-            csr = kernels.CSR.from_coo(local[pos].to(dev), dst[pos].to(dev), (self.sizes[o], n))
+            # int32 indices where they fit, as the piece's own CSR (half the index bytes).
+            small = max(self.sizes[o], n, pos.numel()) <= torch.iinfo(torch.int32).max
+            csr = kernels.CSR.from_coo(local[pos].to(dev), dst[pos].to(dev), (self.sizes[o], n),
+                                       index_dtype=torch.int32 if small else torch.int64)
             self.chunks[o] = (csr, pos.to(dev))
         self.in_degree = torch.bincount(dst, minlength=n).to(dev)
         # The halo rows (grouped by owner, ascending) as rows of each owner's block.
