@@ -24,43 +24,67 @@ from ._edges import as_edges, check_count
 from .ordering import METHODS, Ordering, reorder
 from .units import format_bytes, parse_bytes
 
-__all__ = ["CostModel", "Chunk", "ChunkGrid", "GridStats", "grid", "compare_orderings",
+__all__ = ["CostModel", "UNITS", "Chunk", "ChunkGrid", "GridStats", "grid", "compare_orderings",
            "format_stats_table"]
 
 _INT32_MAX = 2**31 - 1
-# Bytes the streaming engine keeps per chunk of the P x P grid whatever its size: one int64
-# offset into the edge arrays. It makes a huge P cost memory too, so the search has a true limit.
+# CostModel.table_bytes_per_chunk by default: chunk-at-a-time streaming keeps one int64 offset
+# into the edge arrays per chunk of the P x P grid (ChunkGrid, ChunkStore).
 TABLE_BYTES_PER_CHUNK = 8
+
+
+UNITS = ("chunk", "column")
 
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """Resident bytes of one layer while it streams the chunk grid, as a function of P.
+    """Resident bytes of one layer while it streams, as a function of P: the one cost model of
+    ngra's streaming. ``partition.grid`` and ``ChunkStore.write_from_blocks`` use it to choose P
+    for chunk-at-a-time streaming; ``ngra.Engine`` builds one from its measured bytes per edge
+    (``Engine.cost_model``) for its column-at-a-time streaming and chooses P with it.
 
-    Forward streaming is column-ordered: for destination interval ``j`` the accumulator of ``j``
-    stays resident while the chunks ``(0, j), (1, j), ...`` stream through, each needing its
-    source interval's vertex data and its own edge data; with ``prefetch`` the next chunk and
-    its source interval are loaded while the current one computes. So at the worst moment::
+    A *unit* (``unit``) is what streams through memory at once: a chunk ``(i, j)`` of the P x P
+    grid, or a whole destination column ``(0, j), (1, j), ..., (P-1, j)``. While units stream,
+    destination ``j``'s rows stay resident, the unit's source vertex data and edge data are
+    loaded (with ``prefetch``, the next unit's too, while the current one computes), and the
+    computation on the unit makes its own per-edge values. At the worst moment::
 
-        peak(P) = fixed + 8 * P**2
+        peak(P) = fixed + table_bytes_per_chunk * P**2
                   + dst_bytes_per_vertex * V
-                  + (1 + prefetch) * (bytes_per_vertex * V + bytes_per_edge * C)
+                  + copies * bytes_per_vertex * V
+                  + edge_bytes * C
+
+        copies     = 2 if prefetch else 1
+        edge_bytes = work_bytes_per_edge + copies * bytes_per_edge         if overlap
+                     max(work_bytes_per_edge, copies * bytes_per_edge)     otherwise
 
     with ``V`` = the largest interval (``ceil(N / P)`` for an equal split) and ``C`` = the most
-    edges in any chunk (at least ``ceil(E / P**2)``, more on skewed graphs; ``partition.grid``
-    measures it exactly). ``8 * P**2`` is the chunk offset table.
+    edges of one unit: at least ``ceil(E / P**2)`` for a chunk and ``ceil(E / P)`` for a
+    column, more on skewed graphs (callers measure it on the layout: ``partition.grid`` per
+    chunk, the engine per column).
 
-    - ``bytes_per_vertex``: per source vertex (features read by the layer, plus chunk index
-      overhead that scales with an interval, such as a CSR ``indptr`` entry).
-    - ``bytes_per_edge``: per edge of a chunk: edge features and messages that are materialized,
-      plus the chunk's own index arrays (local src, dst, edge id, CSR indices and edge ids).
+    - ``bytes_per_vertex``: per source vertex loaded with a unit (features read by the layer,
+      plus index overhead that scales with an interval, such as a CSR ``indptr`` entry).
+    - ``bytes_per_edge``: per edge loaded with a unit: edge features and messages that are
+      materialized, plus the unit's own index arrays (local src, dst, edge id, CSR indices
+      and edge ids).
     - ``dst_bytes_per_vertex``: per destination vertex (accumulator rows plus any destination
       features); defaults to ``bytes_per_vertex``.
     - ``fixed``: bytes independent of P (parameters, optimizer state, workspace).
+    - ``prefetch``: the next unit is loaded while the current one computes (two copies).
+    - ``work_bytes_per_edge``: per edge of computing on a unit, one copy (edge values, the
+      tensors autograd saves, their gradients, kernel buffers); the engine measures it.
+    - ``overlap``: whether a unit's loaded data and the work on a unit are alive at the same
+      time (their bytes add) or one after the other (the larger counts).
+    - ``table_bytes_per_chunk``: bytes kept per chunk of the grid whatever its size (8: one
+      int64 offset into the edge arrays), which makes a huge P cost memory too.
 
-    Backward streaming is row-ordered with the roles of source and destination swapped; give the
-    larger of the two sides' widths so one model covers both. :meth:`for_layer` fills the fields
-    from feature widths.
+    Backward streaming of chunks is row-ordered with the roles of source and destination
+    swapped; give the larger of the two sides' widths so one model covers both. :meth:`for_layer`
+    fills the fields from feature widths. The engine's model has only edge terms (its
+    vertex-level data stays resident whatever P is: ``Engine.vertex_bytes``): ``work`` = the
+    measured bytes per edge, ``bytes_per_edge`` = the index bytes of preparing or reading a
+    column (see ``Engine.estimate``).
     """
 
     bytes_per_vertex: float
@@ -68,15 +92,30 @@ class CostModel:
     fixed: int = 0
     dst_bytes_per_vertex: float | None = None
     prefetch: bool = True
+    # Integer zeros and counts keep an all-integer model's arithmetic exact.
+    work_bytes_per_edge: float = dataclasses.field(default=0, kw_only=True)
+    overlap: bool = dataclasses.field(default=True, kw_only=True)
+    table_bytes_per_chunk: int = dataclasses.field(default=TABLE_BYTES_PER_CHUNK, kw_only=True)
+    unit: str = dataclasses.field(default="chunk", kw_only=True)
 
     def __post_init__(self):
-        for name in ("bytes_per_vertex", "bytes_per_edge", "fixed", "dst_bytes_per_vertex"):
+        for name in ("bytes_per_vertex", "bytes_per_edge", "fixed", "dst_bytes_per_vertex",
+                     "work_bytes_per_edge", "table_bytes_per_chunk"):
             value = getattr(self, name)
             if value is None and name == "dst_bytes_per_vertex":
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real) \
                     or not math.isfinite(value) or value < 0:
                 raise ValueError(f"CostModel.{name} must be a finite number >= 0 (got {value!r})")
+        if self.unit not in UNITS:
+            raise ValueError(f"CostModel.unit must be one of {', '.join(map(repr, UNITS))} "
+                             f"(got {self.unit!r})")
+
+    def __repr__(self) -> str:
+        # The fields a chunk model leaves at their defaults are not shown.
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                 if not f.kw_only or getattr(self, f.name) != f.default]
+        return f"CostModel({', '.join(shown)})"
 
     @classmethod
     def for_layer(cls, src_width: int, dst_width: int | None = None, edge_width: int = 0, *,
@@ -100,20 +139,26 @@ class CostModel:
                    fixed=fixed, dst_bytes_per_vertex=dst_width * itemsize, prefetch=prefetch)
 
     def peak(self, num_intervals: int, max_interval_size: int, max_chunk_edges: int) -> int:
-        """``peak(P)`` of the class docstring for a layout with these extremes, in bytes."""
+        """``peak(P)`` of the class docstring for a layout with these extremes, in bytes:
+        ``max_chunk_edges`` is ``C``, the most edges of one unit (a chunk, or a column where
+        ``unit="column"``)."""
         dst_bpv = self.bytes_per_vertex if self.dst_bytes_per_vertex is None \
             else self.dst_bytes_per_vertex
         copies = 2 if self.prefetch else 1
-        total = (self.fixed + TABLE_BYTES_PER_CHUNK * num_intervals**2
+        loaded = copies * self.bytes_per_edge
+        edge_bytes = self.work_bytes_per_edge + loaded if self.overlap \
+            else max(self.work_bytes_per_edge, loaded)
+        total = (self.fixed + self.table_bytes_per_chunk * num_intervals**2
                  + dst_bpv * max_interval_size
-                 + copies * (self.bytes_per_vertex * max_interval_size
-                             + self.bytes_per_edge * max_chunk_edges))
+                 + (copies * self.bytes_per_vertex * max_interval_size
+                    + edge_bytes * max_chunk_edges))
         return int(math.ceil(total))
 
     def lower_bound(self, num_intervals: int, num_nodes: int, num_edges: int) -> int:
         """``peak`` for a perfectly even split: no layout with this P can need less."""
         p = num_intervals
-        return self.peak(p, -(-num_nodes // p), -(-num_edges // (p * p)))
+        units = p * p if self.unit == "chunk" else p
+        return self.peak(p, -(-num_nodes // p), -(-num_edges // units))
 
 
 class Chunk:
@@ -330,10 +375,11 @@ def grid(src, dst, num_nodes: int, *, num_intervals: int | None = None, memory_b
 
     - ``num_intervals``: P itself (P > num_nodes is allowed; trailing intervals are then empty);
     - ``memory_budget`` (int bytes or a string like ``"512MiB"``, see ``parse_bytes``) with
-      ``cost`` (a :class:`CostModel`): the smallest P whose measured ``cost.peak`` fits. The
-      search starts at a lower bound (no P whose even-split ``cost.lower_bound`` exceeds the
-      budget can fit), doubles P while the measured peak falls, and bisects; when the peak
-      rises again (the ``8 P**2`` table) it ternary-searches the minimum in between. It
+      ``cost`` (a :class:`CostModel` with ``unit="chunk"``): the smallest P whose measured
+      ``cost.peak`` fits. The search starts at a lower bound (no P whose even-split
+      ``cost.lower_bound`` exceeds the budget can fit), doubles P while the measured peak falls,
+      and bisects (:func:`double_and_bisect`); when the peak rises again (the chunk table,
+      ``table_bytes_per_chunk * P**2``) it ternary-searches the minimum in between. It
       measures O(log N) real layouts and assumes the peak falls, then rises, with P: on a
       layout that breaks this it may return a P above the smallest, never one that does not
       fit;
@@ -353,6 +399,8 @@ def grid(src, dst, num_nodes: int, *, num_intervals: int | None = None, memory_b
         )
     if cost is not None and not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a partition.CostModel (got {type(cost).__name__})")
+    if cost is not None:
+        _check_chunk_model(cost)
     if isinstance(ordering, Ordering) and ordering.num_nodes != num_nodes:
         raise ValueError(
             f"ordering is for {ordering.num_nodes} nodes but the graph has {num_nodes}"
@@ -482,11 +530,11 @@ def max_chunk_edges(new_src: np.ndarray, new_dst: np.ndarray, bounds: np.ndarray
 def search_num_intervals(num_nodes: int, num_edges: int, budget: int, cost: CostModel,
                          peak_at: Callable[[int], int]) -> int:
     """Smallest P in [1, max(N, 1)] with ``peak_at(P) <= budget`` (see :func:`grid`)."""
+    _check_chunk_model(cost)
+    table = cost.table_bytes_per_chunk
     p_max = max(num_nodes, 1)
-    # Beyond this P the chunk offset table alone exceeds the budget.
-    room = budget - cost.fixed
-    p_table = math.isqrt(max(room, 0) // TABLE_BYTES_PER_CHUNK)
-    p_max = max(1, min(p_max, p_table))
+    if table:  # beyond this P the chunk offset table alone exceeds the budget
+        p_max = max(1, min(p_max, math.isqrt(max(budget - cost.fixed, 0) // table)))
 
     def fail(detail: str):
         raise ValueError(
@@ -496,7 +544,7 @@ def search_num_intervals(num_nodes: int, num_edges: int, budget: int, cost: Cost
         )
 
     def streamed(p: int) -> int:  # the lower bound without the table term: falls as P grows
-        return cost.lower_bound(p, num_nodes, num_edges) - TABLE_BYTES_PER_CHUNK * p * p
+        return cost.lower_bound(p, num_nodes, num_edges) - table * p * p
 
     def smallest_with(limit: int) -> int | None:
         if streamed(p_max) > limit:
@@ -510,12 +558,13 @@ def search_num_intervals(num_nodes: int, num_edges: int, budget: int, cost: Cost
                 lo = mid + 1
         return lo
 
-    # A fitting P needs streamed(P) <= budget - 8 P**2 <= budget - 8 q**2 for every q <= P, so
-    # iterating q -> smallest_with(budget - 8 q**2) climbs to the first P whose bound fits.
+    # A fitting P needs streamed(P) <= budget - table P**2 <= budget - table q**2 for every
+    # q <= P, so iterating q -> smallest_with(budget - table q**2) climbs to the first P whose
+    # bound fits.
     lo, last = smallest_with(budget), p_max
     while lo is not None:
         last = lo
-        nxt = smallest_with(budget - TABLE_BYTES_PER_CHUNK * lo * lo)
+        nxt = smallest_with(budget - table * lo * lo)
         if nxt == lo:
             break
         lo = nxt
@@ -531,33 +580,63 @@ def search_num_intervals(num_nodes: int, num_edges: int, budget: int, cost: Cost
             measured[p] = peak_at(p)
         return measured[p] <= budget
 
-    # peak(P) first falls (smaller intervals and chunks), then rises (the 8 P^2 table): double P
-    # while it falls; a fit ends the search on the falling side, a rise brackets the minimum.
-    tried = [lo]  # doubling points
-    failed, p = lo - 1, lo
-    while not fits(p):
+    # peak(P) first falls (smaller intervals and chunks), then rises (the table): a rise while
+    # doubling brackets the minimum, which a ternary search finds.
+    def stop(tried: list[int]) -> tuple[int, int] | None:
+        p = tried[-1]
         rose = len(tried) > 1 and measured[p] >= measured[tried[-2]]
-        if rose or p == p_max:
-            # Rise at p_k: the minimum lies in [p_(k-2), p_k]; still falling at p_max: in
-            # [p_(k-1), p_max].
-            back = 3 if rose else 2
-            left = tried[-back] if len(tried) >= back else lo
-            q = _argmin_unimodal(lambda r: (fits(r), measured[r])[1], left, p)
-            if measured[q] > budget:
-                best = min(measured, key=measured.get)
-                fail(f"the smallest measured peak is {format_bytes(measured[best])} "
-                     f"({measured[best]} bytes) at P={best}")
-            failed, p = left, q
+        if not (rose or p == p_max):
+            return None
+        # Rise at p_k: the minimum lies in [p_(k-2), p_k]; still falling at p_max: in
+        # [p_(k-1), p_max].
+        back = 3 if rose else 2
+        left = tried[-back] if len(tried) >= back else lo
+        q = _argmin_unimodal(lambda r: (fits(r), measured[r])[1], left, p)
+        if measured[q] > budget:
+            best = min(measured, key=measured.get)
+            fail(f"the smallest measured peak is {format_bytes(measured[best])} "
+                 f"({measured[best]} bytes) at P={best}")
+        return left, q
+
+    return double_and_bisect(fits, lo, p_max, stop)
+
+
+def double_and_bisect(fits: Callable[[int], bool], start: int, cap: int,
+                      stop: Callable[[list[int]], tuple[int, int] | None]) -> int:
+    """The P search of every budget (``partition.grid``, ``ChunkStore.write_from_blocks``,
+    ``ngra.Engine``): the smallest P >= ``start`` with ``fits(P)``, assuming fits turns true
+    once and stays true.
+
+    Tries ``start, 2 start, 4 start, ...`` (at most ``cap``) until one fits, then bisects
+    between the last P that did not fit and the first that did. ``stop(tried)`` is asked after
+    each P that does not fit (``tried``: the doubling points so far, the last one just failed):
+    None doubles on; a pair ``(failed, fitting)`` ends the doubling with that bracket; it may
+    also raise (no P fits). It must stop at ``cap``.
+    """
+    tried = [start]
+    failed, p = start - 1, start
+    while not fits(p):
+        bracket = stop(tried)
+        if bracket is not None:
+            failed, p = bracket
             break
-        failed, p = p, min(2 * p, p_max)
+        failed, p = p, min(2 * p, cap)
         tried.append(p)
-    while p - failed > 1:  # smallest fitting P on the falling side
+    while p - failed > 1:  # the smallest fitting P on the falling side
         mid = (failed + p) // 2
         if fits(mid):
             p = mid
         else:
             failed = mid
     return p
+
+
+def _check_chunk_model(cost: CostModel) -> None:
+    if cost.unit != "chunk":
+        raise ValueError(
+            f"partition lays out and measures chunks, so its cost model must have unit='chunk' "
+            f"(got {cost.unit!r}); a unit='column' model is for column-at-a-time streaming "
+            f"(ngra.Engine measures its own columns)")
 
 
 def _argmin_unimodal(f: Callable[[int], int], lo: int, hi: int) -> int:

@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from partition import ChunkGrid, CostModel, GridStats, Ordering, grid, reorder
-from partition.chunk_grid import TABLE_BYTES_PER_CHUNK, chunk_order, interval_bounds, interval_of
+from partition.chunk_grid import (TABLE_BYTES_PER_CHUNK, chunk_order, double_and_bisect,
+                                  interval_bounds, interval_of, search_num_intervals)
 from partition_testutil import (HAVE_METIS, METIS, edge_case_graphs, needs_metis,
                                 planted_partition, random_graph)
 
@@ -213,7 +214,82 @@ def test_cost_model_for_layer():
         CostModel.for_layer(-1)
 
 
-@pytest.mark.parametrize("field", ["bytes_per_vertex", "bytes_per_edge", "fixed", "dst_bytes_per_vertex"])
+def test_cost_model_work_and_loading_terms_by_hand():
+    # Column-at-a-time (the engine's model): work on one column plus the columns' index arrays.
+    work = dict(bytes_per_vertex=0, dst_bytes_per_vertex=0, table_bytes_per_chunk=0,
+                work_bytes_per_edge=50.5, unit="column")
+    # loaded while the work runs, two copies with prefetch: (50.5 + 2 * 96) * 10
+    assert CostModel(bytes_per_edge=96, **work).peak(4, 7, 10) == 2425
+    assert CostModel(bytes_per_edge=96, prefetch=False, **work).peak(4, 7, 10) == 1465
+    # loaded before the work, not beside it: the larger of the two per edge
+    assert CostModel(bytes_per_edge=96, prefetch=False, overlap=False, **work).peak(4, 7, 10) \
+        == 960
+    assert CostModel(bytes_per_edge=10, prefetch=False, overlap=False, **work).peak(4, 7, 10) \
+        == 505
+    # every term at once: 3 + 2 * 4 + 1 * 5 + 2 * 2 * 5 + (7 + 2 * 6) * 11
+    m = CostModel(2, 6, fixed=3, dst_bytes_per_vertex=1, work_bytes_per_edge=7,
+                  table_bytes_per_chunk=2)
+    assert m.peak(2, 5, 11) == 3 + 8 + 5 + 20 + 19 * 11
+    # the even share of a column is E / P, of a chunk E / P**2
+    col = CostModel(1, 1, unit="column")
+    assert col.lower_bound(3, 10, 20) == col.peak(3, 4, 7)
+    assert CostModel(1, 1).lower_bound(3, 10, 20) == CostModel(1, 1).peak(3, 4, 3)
+
+
+def test_cost_model_repr_shows_only_set_streaming_fields():
+    assert repr(CostModel(1, 2)) == ("CostModel(bytes_per_vertex=1, bytes_per_edge=2, fixed=0, "
+                                     "dst_bytes_per_vertex=None, prefetch=True)")
+    assert repr(CostModel(1, 2, work_bytes_per_edge=3.5, unit="column")) == (
+        "CostModel(bytes_per_vertex=1, bytes_per_edge=2, fixed=0, dst_bytes_per_vertex=None, "
+        "prefetch=True, work_bytes_per_edge=3.5, unit='column')")
+    with pytest.raises(ValueError, match=r"CostModel.unit must be one of 'chunk', 'column' "
+                                         r"\(got 'row'\)"):
+        CostModel(1, 1, unit="row")
+
+
+def test_partition_refuses_a_column_model():
+    src, dst = random_graph(20, 50)
+    col = CostModel(1, 1, unit="column")
+    with pytest.raises(ValueError, match="unit='chunk' \\(got 'column'\\)"):
+        grid(src, dst, 20, num_intervals=2, cost=col)
+    with pytest.raises(ValueError, match="unit='chunk'"):
+        grid(src, dst, 20, memory_budget=10**6, cost=col)
+
+
+def test_search_without_a_table_term_is_bounded_by_the_vertices():
+    # No chunk table: nothing limits P but one vertex per interval.
+    cost = CostModel(0, 1, prefetch=False, table_bytes_per_chunk=0)
+    src, dst = random_graph(50, 2500, seed=1)
+    g = grid(src, dst, 50, memory_budget=40, cost=cost)
+    assert g.peak_bytes <= 40 < grid(src, dst, 50, num_intervals=g.num_intervals - 1,
+                                      cost=cost).peak_bytes
+    peaks = {p: max(0, 100 - p) for p in range(1, 11)}
+    assert search_num_intervals(10, 0, 95, cost, peaks.__getitem__) == 5
+
+
+def test_double_and_bisect_tries_doubling_points_then_bisects():
+    tried = []
+
+    def fits(p):
+        tried.append(p)
+        return p >= 11
+
+    assert double_and_bisect(fits, 1, 100, lambda t: None) == 11
+    assert tried == [1, 2, 4, 8, 16, 12, 10, 11]
+    tried.clear()
+    assert double_and_bisect(fits, 3, 100, lambda t: None) == 11
+    assert tried[:4] == [3, 6, 12, 9]
+
+    def give_up(t):
+        if t[-1] >= 6:
+            raise ValueError(f"no P up to {t[-1]}")
+
+    with pytest.raises(ValueError, match="no P up to 6"):
+        double_and_bisect(fits, 1, 6, give_up)
+
+
+@pytest.mark.parametrize("field", ["bytes_per_vertex", "bytes_per_edge", "fixed", "dst_bytes_per_vertex",
+                                   "work_bytes_per_edge", "table_bytes_per_chunk"])
 @pytest.mark.parametrize("bad", [-1, float("inf"), "8", True])
 def test_cost_model_rejects_bad_fields(field, bad):
     kwargs = dict(bytes_per_vertex=1, bytes_per_edge=1)
