@@ -15,17 +15,21 @@ Cases: ``linear`` (uniform stages, where 1F1B is already optimal: ratio 1 expect
     .venv/bin/python benchmarks/schedule.py --quick    # 2 devices, 4 micro-batches
     .venv/bin/python benchmarks/schedule.py --quick --plot /tmp/gantt   # + Gantt PNGs
 
-``--measured`` (alias ``--execute``) also runs schedules for real on 2 gloo processes, a GPT
-(16 x 64 tokens, d_model 128, 4 layers) cut into the stages of each placement of
-``--placements`` (linear, V, loop): it calibrates the stages' forward and backward times and the
+``--measured`` (alias ``--execute``) also runs schedules for real on ``--ranks`` gloo processes
+(default 2), a GPT (micro-batches of 4 x 64 tokens, 4 of them, 6 on 3 ranks; d_model 128,
+max(4, 2 ranks) layers, ``--vocab`` tokens) cut into the stages of each placement of
+``--placements`` (linear, V, loop, M: the M-shape's embedding and head alone, each split by
+vocabulary over every rank): it calibrates the stages' forward and backward times and the
 transfer of an activation on the real workers (each stage alone, and inside a greedy schedule's
 steps: the latter is used), searches on those costs, then runs the standard schedules, the
 searched one and the one searched on the assumed costs (forward 1, backward 2) in turns on the
 same workers and prints, per schedule, the simulator's prediction next to the measured step
 time, and the searched / best standard ratio predicted and measured. It also prints how many
-cores other processes used meanwhile (timings under load are not comparable)::
+cores other processes used meanwhile (timings under load are not comparable), and whether the
+ranks outnumber the cores::
 
     .venv/bin/python benchmarks/schedule.py --cases linear --measured --lookahead 0,all
+    .venv/bin/python benchmarks/schedule.py --cases linear --measured --ranks 4 --vocab 2048
 """
 
 from __future__ import annotations
@@ -105,24 +109,27 @@ def _receive_stats(results, cfg):
     sent before they came to it (0 if every message were delivered while its receiver was
     busy: gloo's rendezvous when the receive is posted late, or a receiving process that gets
     no core while both compute)."""
-    from ngra.schedule.execute import _parse
+    from ngra.schedule.execute import _parse, stage_shards
 
-    devs = cfg.stage_devices
+    devs = stage_shards(cfg.stage_devices)
     delays, late = [], []
     for k in range(1, len(results[0].trace)):
         sent, begins = {}, {}
         for r in results:
             for name, ta, tb, _te, ts in r.trace[k][1]:
-                sent[name], begins[name] = ts, (ta, tb)
+                sent[name, r.rank], begins[name, r.rank] = ts, (ta, tb)
         waited = 0.0
-        for name, (ta, tb) in begins.items():
+        for (name, rank), (ta, tb) in begins.items():
             kind, s, i = _parse(name)
             u = (f"F{s - 1}.{i}" if kind == "F" and s > 0 else
                  f"B{s + 1}.{i}" if kind == "B" and s < len(devs) - 1 else None)
-            if u is None or devs[_parse(u)[1]] == devs[s]:
+            # the last of its messages (a split stage sends one from each of its devices)
+            last = None if u is None else max(
+                (sent[u, d] for d in devs[_parse(u)[1]] if d != rank), default=None)
+            if last is None:
                 continue
-            if ta < sent[u]:
-                delays.append(tb - sent[u])
+            if ta < last:
+                delays.append(tb - last)
             else:
                 waited += tb - ta
         late.append(waited)
@@ -164,7 +171,9 @@ class OtherLoad:
         return max(0.0, (busy - self.busy0) - (self._own() - self.own0)) / wall
 
 
-MEASURED = {"linear": (linear, 2), "V": (vshape, 3), "loop": (lambda p: loop(p, 2), None)}
+# placement of p ranks, memory limit (None: what interleaved 1F1B needs, so that it competes)
+MEASURED = {"linear": (linear, lambda p: p), "V": (vshape, lambda p: p + 1),
+            "loop": (lambda p: loop(p, 2), None), "M": (mshape, lambda p: p + 2)}
 
 
 def _la(v) -> str:
@@ -175,28 +184,39 @@ def _ms(xs) -> list:
     return [round(1e3 * x, 2) for x in xs]
 
 
-def measured(quick: bool, timeout: float, placements, steps: int, lookaheads) -> list:
-    """On 2 gloo processes, per placement: calibrate the staged GPT twice, each stage timed on
-    its own and inside the steps of a greedy schedule (the blocks of a real pipeline), build the
-    pipeline problem from the second (median forward / backward per stage, ping-pong transfer),
-    search it (Tessel on integer multiples of a tenth of the shortest block), then run the
-    standard schedules, the searched one and the one searched on assumed costs (forward 1,
-    backward 2) in turns on the same workers, once per receive lookahead; each schedule must
-    give single-device loss and gradients. Prints the simulator's predictions (median costs;
-    and the Monte Carlo mean over the calibration's samples) against the measured step times."""
+def measured(quick: bool, timeout: float, placements, steps: int, lookaheads, ranks: int = 2,
+             vocab: int = 32) -> list:
+    """On ``ranks`` gloo processes, per placement: calibrate the staged GPT twice, each stage
+    timed on its own and inside the steps of a greedy schedule (the blocks of a real pipeline),
+    build the pipeline problem from the second (median forward / backward per stage, ping-pong
+    transfer), search it (Tessel on integer multiples of a tenth of the shortest block, at least
+    a 30th of the longest), then run the standard schedules, the searched one and the one
+    searched on assumed costs (forward 1, backward 2; skipped if the solver gives up) in turns
+    on the same workers, once per receive lookahead; each schedule must give single-device loss
+    and gradients. Prints the simulator's predictions (median costs; and the Monte Carlo mean
+    over the calibration's samples) against the measured step times."""
     import statistics
 
     import torch
 
-    from ngra.schedule import greedy, simulate, standard
-    from ngra.schedule.execute import (ExecConfig, calibrate, reference_step, schedules_worker,
-                                       spawn)
+    from ngra.schedule import ScheduleError, greedy, simulate, standard
+    from ngra.schedule.execute import (ExecConfig, calibrate, merge_grads, reference_step,
+                                       schedules_worker, spawn)
 
-    m = 4
-    size = dict(batch=8, seq=16, d_model=32, n_layer=4, n_head=2) if quick else \
-        dict(batch=16, seq=64, d_model=128, n_layer=4, n_head=4)
+    import os
+
+    p = ranks
+    # 4 micro-batches (6 on 3 ranks: interleaved 1F1B needs a multiple of p) of 2 / 4 sequences;
+    # 2 p layers: a layer per stage of the V and loop placements
+    m = 4 if 4 % p == 0 else 2 * p
+    size = dict(batch=2 * m, seq=16, d_model=32, n_layer=max(4, 2 * p), n_head=2,
+                vocab=vocab) if quick else \
+        dict(batch=4 * m, seq=64, d_model=128, n_layer=max(4, 2 * p), n_head=4, vocab=vocab)
     out = []
-    print(f"\nOn measured costs, 2 gloo processes (GPT {size}, {m} micro-batches). step: median "
+    cores = os.cpu_count()
+    print(f"\nOn measured costs, {p} gloo processes on {cores} cores"
+          f"{' (oversubscribed: step times include waiting for a core)' if p > cores else ''} "
+          f"(GPT {size}, {m} micro-batches). step: median "
           f"of {steps - 2} rounds after 2 warm-up rounds, every schedule taking turns on the same "
           f"workers; pred: the simulator on the calibration's median costs (what the search "
           f"used); pred~: its mean over 200 draws of every block's duration from the "
@@ -207,27 +227,34 @@ def measured(quick: bool, timeout: float, placements, steps: int, lookaheads) ->
             f"{'step ms':>8} {'step/pred':>9} {'step/pred~':>10} {'late':>6}")
     for pname in placements:
         make, limit = MEASURED[pname]
-        placement = make(2)
+        placement = make(p)
+        limit = None if limit is None else limit(p)
         cfg = ExecConfig(orders=(), stage_devices=tuple(placement), micro_batches=m,
                          steps=steps, **size)
         load = OtherLoad()
-        alone = calibrate(cfg, 2, warmup=3, iters=15, timeout=300)
+        alone = calibrate(cfg, p, warmup=3, iters=15, timeout=300)
         unit_costs = pipeline_problem(placement, micro_batches=m, forward=1, backward=2)
-        cal = calibrate(cfg, 2, warmup=2, iters=8, orders=greedy(unit_costs).orders(),
+        cal = calibrate(cfg, p, warmup=2, iters=8, orders=greedy(unit_costs).orders(),
                         timeout=300)
         if limit is None:  # what interleaved 1F1B itself needs, so that it competes
             limit = max(interleaved_1f1b(cal.problem()).peak_memory())
         prob = cal.problem(memory_limit=limit)
-        unit = cal.unit()
+        # A tenth of the shortest block, but at least a 30th of the longest: the M-shape's split
+        # embedding takes microseconds, and a finer unit gives the solver periods of hundreds of
+        # units, which it does not finish (rounding the tiny block up costs nothing that shows).
+        unit = max(cal.unit(), max(cal.forward + cal.backward) / 30)
         t0 = time.monotonic()
         found = tessel(cal.problem(memory_limit=limit, unit=unit), instances=(1, 2),
                        timeout_s=timeout)
         search_s = time.monotonic() - t0
-        assumed = tessel(unit_costs.with_memory_limit(limit), instances=(1, 2),
-                         timeout_s=timeout).schedule
         scheds = dict(standard(prob))
-        scheds["Tessel (assumed 1/2)"] = simulate(prob, assumed.orders(),
-                                                  policy="Tessel (assumed 1/2)")
+        try:
+            assumed = tessel(unit_costs.with_memory_limit(limit), instances=(1, 2),
+                             timeout_s=timeout).schedule
+            scheds["Tessel (assumed 1/2)"] = simulate(prob, assumed.orders(),
+                                                      policy="Tessel (assumed 1/2)")
+        except ScheduleError as e:  # only a comparison: the run goes on without it
+            print(f"{pname}: no schedule searched on the assumed costs: {e}")
         scheds["Tessel (measured)"] = simulate(prob, found.schedule.orders(),
                                                policy="Tessel (measured)")
         for sch in scheds.values():
@@ -235,7 +262,7 @@ def measured(quick: bool, timeout: float, placements, steps: int, lookaheads) ->
         runs = [(name, la) for la in lookaheads for name in scheds]
         named = tuple((f"{name}@{_la(la)}", tuple(tuple(o) for o in scheds[name].orders()), la)
                       for name, la in runs)
-        res = spawn(schedules_worker, 2, cfg, named, timeout=900)
+        res = spawn(schedules_worker, p, cfg, named, timeout=900)
         other = load.cores()
         loss, grads = reference_step(cfg)
         print(f"\n{pname}: stage devices {list(placement)}, memory limit {limit:g}; search "
@@ -250,9 +277,7 @@ def measured(quick: bool, timeout: float, placements, steps: int, lookaheads) ->
         for (name, la), (key, _, _) in zip(runs, named):
             orders = scheds[name].orders()
             rr = [r[key] for r in res]
-            got = {}
-            for r in rr:
-                got.update(r.grads)
+            got = merge_grads(rr)
             assert abs([r.loss for r in rr if r.loss is not None][0] - loss) < 1e-4 * abs(loss)
             for n, g in grads.items():
                 torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-6)
@@ -266,7 +291,8 @@ def measured(quick: bool, timeout: float, placements, steps: int, lookaheads) ->
                          "transfer_s": statistics.median(delays) if delays else None,
                          "calibration": [cal.forward, cal.backward, cal.comm],
                          "calibration_alone": [alone.forward, alone.backward, alone.comm],
-                         "memory_limit": limit, "other_load": other})
+                         "memory_limit": limit, "other_load": other, "ranks": p,
+                         "micro_batches": m, "size": size})
             print(f"{pname:<9} {name:<22} {_la(la):>4} {1e3 * pred:>8.2f} {1e3 * pred_mc:>8.2f} "
                   f"{1e3 * step:>8.2f} {step / pred:>8.2f}x {step / pred_mc:>9.2f}x "
                   f"{1e3 * rows[-1]['late_s']:>6.2f}", flush=True)
@@ -299,8 +325,14 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", type=Path, help="write Gantt charts (PNG) into this folder")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--measured", "--execute", action="store_true",
-                    help="also calibrate a small GPT on 2 gloo processes, search on the "
-                         "measured costs and run standard and searched schedules for real")
+                    help="also calibrate a small GPT on --ranks gloo processes, search on "
+                         "the measured costs and run standard and searched schedules for real")
+    ap.add_argument("--ranks", type=int, default=2,
+                    help="with --measured: gloo processes (default 2; more than the machine's "
+                         "cores oversubscribe it)")
+    ap.add_argument("--vocab", type=int, default=32,
+                    help="with --measured: the GPT's vocabulary (default 32; the M-shape splits "
+                         "the embedding and the head by it over every rank)")
     ap.add_argument("--placements", default=",".join(MEASURED),
                     help=f"with --measured: comma list of {list(MEASURED)}")
     ap.add_argument("--steps", type=int, default=None,
@@ -326,6 +358,8 @@ def main(argv=None) -> int:
         ap.error(f"--lookahead: expected a comma list of ints >= 0 or 'all' (got "
                  f"{args.lookahead!r})")
     steps = args.steps or (8 if args.quick else 30)
+    if args.ranks < 2 or args.vocab < args.ranks:
+        ap.error(f"--ranks: expected >= 2 and <= --vocab (got {args.ranks}, vocab {args.vocab})")
     if steps < 4:
         ap.error(f"--steps: expected >= 4 (2 warm-up rounds, then timed ones) (got {steps})")
     p = args.devices or (2 if args.quick else 4)
@@ -369,7 +403,7 @@ def main(argv=None) -> int:
             print(f"wrote {out}")
     rows_exec = []
     if args.measured:
-        rows_exec = measured(args.quick, timeout, pls, steps, las)
+        rows_exec = measured(args.quick, timeout, pls, steps, las, args.ranks, args.vocab)
     if args.json:
         args.json.write_text(json.dumps({
             "simulated": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],

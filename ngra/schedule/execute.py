@@ -32,6 +32,18 @@ receive is posted first, ``isend`` writes the data at once from the sender's thr
 is memory: a rank holds a buffer for every message of the step from its start (``lookahead``
 bounds that).
 
+A stage may span several devices (``stage_devices[s]`` a tuple), the first or the last one:
+then it is the embedding or the head alone, split by vocabulary over those devices (the shared
+embedding of Tessel's M-shape; ``mshape(p)`` on ``p`` ranks), and its blocks are in each of
+their orders. A stage's output is the sum of its devices' outputs (the embedding's rows outside
+a device's shard give zero; the head's input gradient is a sum over its shards), and every
+device of the next stage receives every term and adds them (the same for gradients, backwards).
+The split head's cross-entropy all-reduces the logits' max, the sum of exponentials and the
+target's logit over its devices (:func:`vocab_parallel_cross_entropy`) after a barrier of its
+devices, so that its block starts on all of them at once, as in the simulator. Runs on 2-4 gloo
+ranks are tested (linear, V-shape, loop and M-shape placements, every standard schedule and the
+searched one give the single-device loss and gradients).
+
 The gradient is that of ``mean_i loss_i`` = the full batch's mean cross-entropy when micro-batches
 have equal size, so the result matches single-device ``GPT(idx, targets)`` up to rounding.
 
@@ -58,41 +70,124 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTStage", "split_gpt", "ExecConfig", "ExecResult", "pipeline_worker",
+__all__ = ["GPTStage", "split_gpt", "stage_shards", "vocab_parallel_cross_entropy",
+           "merge_grads", "ExecConfig", "ExecResult", "pipeline_worker",
            "schedules_worker", "reference_step", "make_model", "measured_problem", "Calibration",
            "calibrate", "calibrate_worker", "calibration_from", "spawn"]
 
 
 class GPTStage(nn.Module):
-    """Blocks ``[lo, hi)`` of a GPT, with the embeddings if ``first`` and the final norm and head
-    if ``last``. Holds the model's own submodules (parameters shared, not copied)."""
+    """Blocks ``[lo, hi)`` of a GPT, with the embeddings if ``first``, the final norm if ``norm``
+    (default: ``last``) and the head if ``last``. Holds the model's own submodules (parameters
+    shared, not copied).
 
-    def __init__(self, model, lo: int, hi: int, first: bool, last: bool):
+    ``vocab=(a, b)``: a tensor-parallel shard of a stage without blocks (the embedding or the
+    head alone, as the shared embedding of Tessel's M-shape, split over the devices). The
+    embedding shard looks up only tokens ``a <= t < b`` (rows ``a:b`` of the token table; zero
+    for the others) and adds the positions if ``positions``: the full embedding is the sum of
+    the shards' outputs. The head shard gives logits ``[..., b - a]`` of those tokens; the
+    cross-entropy over the shards is :func:`vocab_parallel_cross_entropy`."""
+
+    def __init__(self, model, lo: int, hi: int, first: bool, last: bool, *, norm=None,
+                 vocab=None, positions: bool = True):
         super().__init__()
         self.first, self.last = first, last
+        self.norm = last if norm is None else norm
+        if vocab is not None and (hi > lo or first == last):
+            raise ValueError(f"vocab: a shard is the embedding or the head alone, without blocks "
+                             f"(got blocks [{lo}, {hi}), first={first}, last={last})")
+        self.vocab, self.positions = vocab, positions
         self.emb = nn.ModuleDict({"tok": model.tok, "pos": model.pos}) if first else None
         self.blocks = nn.ModuleList(model.blocks[lo:hi])
-        self.tail = nn.ModuleDict({"ln_f": model.ln_f, "head": model.head}) if last else None
+        self.ln_f = model.ln_f if self.norm else None
+        self.head = model.head if last else None
 
     def forward(self, x):
         if self.first:
-            x = self.emb["tok"](x) + self.emb["pos"](torch.arange(x.shape[1], device=x.device))
+            if self.vocab is None:
+                x = self.emb["tok"](x)
+            else:
+                a, b = self.vocab
+                inside = (x >= a) & (x < b)
+                w = self.emb["tok"].weight[a:b]
+                x = F.embedding((x - a).clamp(0, b - a - 1), w) * inside.unsqueeze(-1)
+            if self.positions:
+                x = x + self.emb["pos"](torch.arange(x.shape[1], device=x.device))
         for b in self.blocks:
             x = b(x)
+        if self.norm:
+            x = self.ln_f(x)
         if self.last:
-            x = self.tail["head"](self.tail["ln_f"](x))
+            x = self.head(x) if self.vocab is None else \
+                F.linear(x, self.head.weight[self.vocab[0]:self.vocab[1]])
         return x
 
 
-def split_gpt(model, n_stages: int) -> list[GPTStage]:
+def split_gpt(model, n_stages: int, *, embed_alone: bool = False,
+              head_alone: bool = False) -> list[GPTStage]:
     """``n_stages`` stages with the GPT's blocks spread as evenly as possible (earlier stages get
-    the extra block)."""
+    the extra block). ``embed_alone`` / ``head_alone``: the first / last stage is the embedding
+    / the head alone (the final norm stays with the stage before), as when it spans several
+    devices (M-shape)."""
     n = len(model.blocks)
-    if not 1 <= n_stages <= n:
-        raise ValueError(f"n_stages: expected 1..{n} (the model's blocks) (got {n_stages})")
-    cuts = [n * s // n_stages for s in range(n_stages + 1)]
-    return [GPTStage(model, cuts[s], cuts[s + 1], s == 0, s == n_stages - 1)
-            for s in range(n_stages)]
+    a, z = int(embed_alone), int(head_alone)
+    k = n_stages - a - z
+    if not 1 <= k <= n:
+        raise ValueError(f"n_stages: expected {1 + a + z}..{n + a + z} (the model's blocks"
+                         f"{', + 1 for the embedding alone' if a else ''}"
+                         f"{', + 1 for the head alone' if z else ''}) (got {n_stages})")
+    cuts = [n * j // k for j in range(k + 1)]
+    out = [GPTStage(model, 0, 0, True, False)] if a else []
+    out += [GPTStage(model, cuts[j], cuts[j + 1], j == 0 and not a, j == k - 1 and not z,
+                     norm=j == k - 1) for j in range(k)]
+    if z:
+        out.append(GPTStage(model, n, n, False, True, norm=False))
+    return out
+
+
+def stage_shards(stage_devices) -> list[tuple]:
+    """Each stage's devices as a tuple (an int ``d`` is ``(d,)``)."""
+    return [tuple(int(x) for x in d) if isinstance(d, (tuple, list)) else (int(d),)
+            for d in stage_devices]
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Mean cross-entropy of logits split by vocabulary over the ranks of ``group``: the global
+    max, the sum of exponentials and the target's logit are all-reduced (forward only; the
+    gradient ``(softmax - onehot) / N`` of each shard is local)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, lo, group):
+        import torch.distributed as dist
+
+        v = logits.shape[1]
+        top = logits.max(-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        z = logits - top.unsqueeze(-1)
+        e = z.exp()
+        inside = (target >= lo) & (target < lo + v)
+        local = (target - lo).clamp(0, v - 1)
+        sums = torch.stack([e.sum(-1), torch.where(inside, z.gather(-1, local[:, None])[:, 0],
+                                                   torch.zeros(()))])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        ctx.save_for_backward(e / sums[0].unsqueeze(-1), local, inside)
+        return (sums[0].log() - sums[1]).mean()
+
+    @staticmethod
+    def backward(ctx, g):
+        soft, local, inside = ctx.saved_tensors
+        grad = soft.clone()
+        rows = inside.nonzero()[:, 0]
+        grad[rows, local[rows]] -= 1.0
+        return grad * (g / soft.shape[0]), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, lo: int, group=None):
+    """``F.cross_entropy(full_logits, target)`` (mean) when this rank holds the columns
+    ``[lo, lo + logits.shape[1])`` of ``full_logits [N, V]`` and the other ranks of ``group``
+    the rest; every rank of the group must call it at once. ``target [N]`` is the same on
+    all."""
+    return _VocabParallelCE.apply(logits, target, lo, group)
 
 
 @dataclass(frozen=True)
@@ -100,7 +195,7 @@ class ExecConfig:
     """What every rank needs: the model, the data, and the block orders to run."""
 
     orders: tuple          # per device, block names (F{s}.{i} / B{s}.{i})
-    stage_devices: tuple   # device (rank) of each stage
+    stage_devices: tuple   # device (rank) of each stage, or a tuple of them (split: M-shape)
     micro_batches: int
     batch: int = 8
     seq: int = 16
@@ -118,6 +213,7 @@ class ExecResult:
     rank: int
     loss: float | None            # the mean loss (on the rank of the last stage)
     grads: dict                   # parameter name -> gradient, for this rank's stages
+    #                               (split ones: whole, zero outside this rank's rows)
     step_seconds: list            # wall time of each step (barrier to barrier)
     block_seconds: dict           # (kind, stage) -> list of measured durations
     trace: list = ()   # per step (t0, [(name, begin, compute, end, sent)]), perf_counter seconds
@@ -149,49 +245,87 @@ def _parse(name: str):
 
 
 class _Pipeline:
-    """One rank's share of the staged GPT and its data, and one step of a block order."""
+    """One rank's share of the staged GPT and its data, and one step of a block order.
+
+    A stage on several devices (the embedding or the head alone, first or last: M-shape) is
+    split by vocabulary over them (:class:`GPTStage` ``vocab``); its blocks run on each of its
+    devices. A stage's output is the sum of what each of its devices computes (one term for a
+    stage on one device), and every device of the next stage receives every term (the local one
+    in memory) and sums them; gradients flow back the same way."""
 
     def __init__(self, rank: int, world: int, cfg: ExecConfig):
+        import torch.distributed as dist
+
         torch.set_num_threads(1)
         self.rank, self.world, self.cfg = rank, world, cfg
         self.model, idx, tgt = make_model(cfg)
-        self.n_stages = len(cfg.stage_devices)
-        self.stages = split_gpt(self.model, self.n_stages)
+        self.devs = stage_shards(cfg.stage_devices)
+        self.n_stages = n = len(self.devs)
         m = cfg.micro_batches
         if cfg.batch % m:
             raise ValueError(f"batch {cfg.batch} must split into {m} equal micro-batches")
-        if max(cfg.stage_devices) >= world:
+        if max(max(d) for d in self.devs) >= world:
             raise ValueError(f"stage devices {cfg.stage_devices} need more than {world} ranks")
+        wide = [s for s in range(n) if len(self.devs[s]) > 1]
+        if any(0 < s < n - 1 for s in wide) or (n == 1 and wide):
+            raise ValueError(f"stage devices {cfg.stage_devices}: only the first (embedding) and "
+                             f"the last (head) of at least 2 stages can span several devices")
+        self.stages = split_gpt(self.model, n, embed_alone=0 in wide,
+                                head_alone=n - 1 in wide)
+        self.groups = {}
+        for s in wide:  # every rank creates every group, in the same order
+            d = self.devs[s]
+            if len(set(d)) != len(d):
+                raise ValueError(f"stage {s}: devices {d} repeat one")
+            if cfg.vocab < len(d):
+                raise ValueError(f"vocab {cfg.vocab} can't be split over {len(d)} devices")
+            if d not in self.groups:
+                self.groups[d] = dist.new_group(sorted(d))
+            if rank in d:
+                j, v = d.index(rank), cfg.vocab
+                lo, hi = v * j // len(d), v * (j + 1) // len(d)
+                self.stages[s] = GPTStage(self.model, 0, 0, s == 0, s == n - 1, norm=False,
+                                          vocab=(lo, hi), positions=j == 0)
         mb = cfg.batch // m
         self.xs, self.ys = idx.split(mb), tgt.split(mb)
         self.shape = (mb, cfg.seq, cfg.d_model)
-        self.mine = {s for s, d in enumerate(cfg.stage_devices) if d == rank}
+        self.mine = {s for s, d in enumerate(self.devs) if rank in d}
 
-    def _source(self, kind: str, s: int, i: int):
-        """``(rank, tag)`` of the message block ``kind s.i`` needs, or None (none, or local)."""
-        cfg, m = self.cfg, self.cfg.micro_batches
-        if kind == "F" and s > 0 and cfg.stage_devices[s - 1] != self.rank:
-            return cfg.stage_devices[s - 1], 2 * ((s - 1) * m + i)
-        if kind == "B" and s < self.n_stages - 1 and cfg.stage_devices[s + 1] != self.rank:
-            return cfg.stage_devices[s + 1], 2 * (s * m + i) + 1
-        return None
+    def _sources(self, kind: str, s: int, i: int) -> list:
+        """``[(rank, tag)]`` of the messages block ``kind s.i`` needs from other ranks."""
+        m = self.cfg.micro_batches
+        if kind == "F" and s > 0:
+            return [(d, 2 * ((s - 1) * m + i)) for d in self.devs[s - 1] if d != self.rank]
+        if kind == "B" and s < self.n_stages - 1:
+            return [(d, 2 * (s * m + i) + 1) for d in self.devs[s + 1] if d != self.rank]
+        return []
+
+    def _loss(self, s: int, out, i: int):
+        m, y = self.cfg.micro_batches, self.ys[i].flatten()
+        st = self.stages[s]
+        if st.vocab is None:
+            return F.cross_entropy(out.flatten(0, 1), y) / m
+        return vocab_parallel_cross_entropy(out.flatten(0, 1), y, st.vocab[0],
+                                            self.groups[self.devs[s]]) / m
 
     def step(self, order, times: dict, lookahead):
         """Run ``order`` once, receives posted ``lookahead`` blocks ahead (None: all at the
         start): ``(mean loss or None, seconds barrier to barrier, (t0, events))`` with events
-        ``(name, begin, compute start, end, isend call or None)`` in ``time.perf_counter``
-        seconds (system-wide, so comparable across ranks on one machine)."""
+        ``(name, begin, compute start, end, first isend call or None)`` in
+        ``time.perf_counter`` seconds (system-wide, so comparable across ranks on one
+        machine)."""
         import torch.distributed as dist
 
-        cfg, rank, m, stages = self.cfg, self.rank, self.cfg.micro_batches, self.stages
-        last_stage = self.n_stages - 1
+        rank, m, stages = self.rank, self.cfg.micro_batches, self.stages
+        devs, last_stage = self.devs, self.n_stages - 1
         parsed = []
         for name in order:
             kind, s, i = _parse(name)
             if s not in self.mine:
+                d = devs[s][0] if len(devs[s]) == 1 else devs[s]
                 raise ValueError(f"block {name} is in rank {rank}'s order but stage {s} is on "
-                                 f"device {cfg.stage_devices[s]}")
-            parsed.append((name, kind, s, i, self._source(kind, s, i)))
+                                 f"device {d}")
+            parsed.append((name, kind, s, i, self._sources(kind, s, i)))
         self.model.zero_grad(set_to_none=True)
         inputs, outputs, local, pending, posted = {}, {}, {}, [], {}
         loss_total = 0.0
@@ -200,57 +334,69 @@ class _Pipeline:
         if lookahead is not None and lookahead < 0:
             raise ValueError(f"lookahead: expected None or >= 0 (got {lookahead})")
         ahead = len(parsed) if lookahead is None else lookahead
-        next_post = 0  # blocks before it have their receive posted (if they need one)
+        next_post = 0  # blocks before it have their receives posted (if they need any)
         dist.barrier()
         t0 = time.perf_counter()
-        for j, (name, kind, s, i, src) in enumerate(parsed):
+        for j, (name, kind, s, i, srcs) in enumerate(parsed):
             ta = time.perf_counter()
             while next_post < min(j + ahead + 1, len(parsed)):
-                if parsed[next_post][4] is not None:
-                    peer, tag = parsed[next_post][4]
+                bufs = []
+                for peer, tag in parsed[next_post][4]:
                     buf = torch.empty(self.shape)
-                    posted[next_post] = (buf, dist.irecv(buf, src=peer, tag=tag))
+                    bufs.append((buf, dist.irecv(buf, src=peer, tag=tag)))
+                if bufs:
+                    posted[next_post] = bufs
                 next_post += 1
-            got = None
-            if src is not None:
-                got, work = posted.pop(j)
+            got = []
+            for buf, work in posted.pop(j, ()):
                 work.wait()
+                got.append(buf)
+            if kind == "F" and s == last_stage and stages[s].vocab is not None:
+                # The split head all-reduces: start it on all its devices at once (as the
+                # simulator does), so that waiting for the last one is not counted as work.
+                dist.barrier(group=self.groups[devs[s]])
             tb = time.perf_counter()  # compute only: waiting for a message is not work
-            sent = None  # when its message to another rank was handed to isend
+            sent = None  # when its first message to another rank was handed to isend
             if kind == "F":
                 if s == 0:
                     x = self.xs[i]
-                elif got is None:
-                    x = local.pop(("act", s, i)).detach().requires_grad_()
                 else:
-                    x = got.requires_grad_()
+                    if rank in devs[s - 1]:
+                        got.append(local.pop(("act", s, i)).detach())
+                    x = (got[0] if len(got) == 1 else sum(got[1:], got[0])).requires_grad_()
                 out = stages[s](x)
                 inputs[s, i] = x
                 if s == last_stage:
-                    out = F.cross_entropy(out.flatten(0, 1), self.ys[i].flatten()) / m
+                    out = self._loss(s, out, i)
                     loss_total += float(out.detach())
-                elif cfg.stage_devices[s + 1] == rank:
-                    local["act", s + 1, i] = out
                 else:
-                    sent = time.perf_counter()
-                    pending.append(dist.isend(out.detach().contiguous(),
-                                              dst=cfg.stage_devices[s + 1], tag=2 * (s * m + i)))
+                    data = None
+                    for d in devs[s + 1]:
+                        if d == rank:
+                            local["act", s + 1, i] = out
+                            continue
+                        if data is None:
+                            sent, data = time.perf_counter(), out.detach().contiguous()
+                        pending.append(dist.isend(data, dst=d, tag=2 * (s * m + i)))
                 outputs[s, i] = out
             else:
                 out = outputs.pop((s, i))
                 if s == last_stage:
                     out.backward()
                 else:
-                    out.backward(local.pop(("grad", s, i)) if got is None else got)
+                    if rank in devs[s + 1]:
+                        got.append(local.pop(("grad", s, i)))
+                    out.backward(got[0] if len(got) == 1 else sum(got[1:], got[0]))
                 x = inputs.pop((s, i))
                 if s > 0:
-                    if cfg.stage_devices[s - 1] == rank:
-                        local["grad", s - 1, i] = x.grad
-                    else:
-                        sent = time.perf_counter()
-                        pending.append(dist.isend(x.grad.contiguous(),
-                                                  dst=cfg.stage_devices[s - 1],
-                                                  tag=2 * ((s - 1) * m + i) + 1))
+                    data = None
+                    for d in devs[s - 1]:
+                        if d == rank:
+                            local["grad", s - 1, i] = x.grad
+                            continue
+                        if data is None:
+                            sent, data = time.perf_counter(), x.grad.contiguous()
+                        pending.append(dist.isend(data, dst=d, tag=2 * ((s - 1) * m + i) + 1))
             te = time.perf_counter()
             times.setdefault((kind, s), []).append(te - tb)
             events.append((name, ta, tb, te, sent))
@@ -258,12 +404,25 @@ class _Pipeline:
             w.wait()
         dist.barrier()
         seconds = time.perf_counter() - t0
-        return (loss_total if cfg.stage_devices[-1] == rank else None), seconds, (t0, events)
+        return (loss_total if devs[-1][0] == rank else None), seconds, (t0, events)
 
     def grads(self) -> dict:
+        """Parameter name -> gradient for this rank's stages. A parameter split by vocabulary
+        (token table, head) comes whole, zero outside this rank's rows: :func:`merge_grads`
+        sums the ranks'. The positions of a split embedding are on its first device only."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         return {names[id(p)]: p.grad.clone() for s in self.mine
-                for p in self.stages[s].parameters()}
+                for p in self.stages[s].parameters() if p.grad is not None}
+
+
+def merge_grads(results) -> dict:
+    """The whole model's gradients from every rank's :class:`ExecResult`: a parameter reported
+    by several ranks (split by vocabulary over a stage's devices) is the sum of theirs."""
+    out = {}
+    for r in results:
+        for n, g in r.grads.items():
+            out[n] = g.clone() if n not in out else out[n] + g
+    return out
 
 
 def pipeline_worker(rank: int, world: int, cfg: ExecConfig) -> ExecResult:
@@ -407,17 +566,18 @@ def _calibration_round(pipe: "_Pipeline", gen, samples: dict | None,
     None (a warm-up)."""
     import torch.distributed as dist
 
-    cfg, rank = pipe.cfg, pipe.rank
-    m, last = cfg.micro_batches, pipe.n_stages - 1
+    rank, last = pipe.rank, pipe.n_stages - 1
     mine = sorted(pipe.mine) if stages else []
     dist.barrier()
     outs, took = {}, {}
     for s in mine:
         x = pipe.xs[0] if s == 0 else torch.randn(pipe.shape, generator=gen).requires_grad_()
+        if s == last and pipe.stages[s].vocab is not None:  # as in a step: its devices at once
+            dist.barrier(group=pipe.groups[pipe.devs[s]])
         t = time.perf_counter()
         out = pipe.stages[s](x)
         if s == last:
-            out = F.cross_entropy(out.flatten(0, 1), pipe.ys[0].flatten()) / m
+            out = pipe._loss(s, out, 0)
         took["F", s] = time.perf_counter() - t
         outs[s] = out
     for s in reversed(mine):
@@ -426,9 +586,9 @@ def _calibration_round(pipe: "_Pipeline", gen, samples: dict | None,
         outs[s].backward(grad)
         took["B", s] = time.perf_counter() - t
     pipe.model.zero_grad(set_to_none=True)
-    devs = cfg.stage_devices
-    pairs = sorted({tuple(sorted((devs[s], devs[s + 1]))) for s in range(len(devs) - 1)
-                    if devs[s] != devs[s + 1]})
+    devs = pipe.devs
+    pairs = sorted({tuple(sorted((a, b))) for s in range(len(devs) - 1) for a in devs[s]
+                    for b in devs[s + 1] if a != b})
     buf, back = torch.randn(pipe.shape, generator=gen), torch.empty(pipe.shape)
     for a, b in pairs:
         dist.barrier()
