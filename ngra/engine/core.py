@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import collections
 import contextvars
-import math
 import warnings
 
 import numpy as np
 import torch
 
 import partition
-from partition.chunk_grid import interval_bounds, interval_of
+from partition.chunk_grid import double_and_bisect, interval_bounds, interval_of
 
 from ..graph import Graph
 from ..schedule.streaming import ORDERS, StreamCosts, plan_streaming_order
@@ -150,59 +149,68 @@ class Engine:
 
     # -- the cost model ---------------------------------------------------------------------------
     def estimate(self, program, g, num_intervals: int, column_edges: int | None = None) -> int:
-        """Estimated peak bytes of the *edge-level* working set of one streamed call, P intervals.
-
-        This is what streaming controls and what ``memory_budget`` bounds::
-
-            max(compute_bytes, index_bytes) * C_col     in-memory graph, columns to prepare
-            compute_bytes * C_col                       in-memory graph, columns prepared
-            (compute_bytes + 2 * index_bytes) * C_col   chunk store (with prefetch)
-
-        - ``C_col``: the most in-edges of one destination column (about E / P with the balanced
-          intervals of the default order; measured, since one vertex is never split);
-        - ``compute_bytes``: the peak bytes per edge of running the edge part forward and
-          backward on one column (its edge values, the ones autograd saves, their gradients,
-          the kernels' per-edge buffers; forward only where autograd is off). It is
-          *measured*, once per compiled program (and grad mode): the program runs forward and
-          backward on two small random graphs (16 vertices, 1024 and
-          4096 edges) while :class:`TensorMemory` records the peak bytes of live tensors; the
-          slope of peak over edges is the per-edge cost. If the probe cannot run (inputs it
-          cannot synthesize), the bound ``2 * edge_bytes`` is used instead: every edge-domain
-          value of the IR that owns memory (views are not counted) and its gradient alive at
-          once;
-        - ``index_bytes``: ``_INDEX_BYTES`` (96) per edge of preparing a column: its CSR,
-          original edge ids and the transposed CSR backward uses, with their sort buffers (or a
-          store column's arrays read and merged). An in-memory graph's columns are prepared by
-          the first call, one at a time before each computes, then cached (as the graph caches
-          its own CSR), so later calls make no index arrays; the cache itself, about 36 bytes
-          per edge of the graph, is part of the fixed overhead. A store's columns are read at
-          every pass, the next one on the prefetch thread while this one computes. (Without
-          autograd, and with no edge softmax, a store is streamed one chunk at a time, and
-          ``C_col`` is then the most edges of one chunk.)
+        """Estimated peak bytes of the *edge-level* working set of one streamed call, P intervals:
+        ``self.cost_model(program, g, P).peak(P, 0, C)``, the :class:`partition.CostModel` that
+        ``partition.grid`` uses too, with ``C`` the most in-edges of one destination column
+        (about E / P with the balanced intervals of the default order; measured, since one
+        vertex is never split), or ``column_edges`` when given. This is what streaming controls
+        and what ``memory_budget`` bounds. (Without autograd, and with no edge softmax, a store
+        is streamed one chunk at a time, and ``C`` is then the most edges of one chunk.)
 
         Vertex-level memory (features, lifted projections, gathered results and their
         gradients: :meth:`vertex_bytes`) stays resident whatever P is; it, the graph and its
         cached columns, the model and the runtime are a fixed overhead on top of the budget.
         """
+        model = self.cost_model(program, g, num_intervals)
         if column_edges is None:
-            column_edges = int(self._column_edges(g, num_intervals).max(initial=0))
-            plan = StreamPlan.of(program.ir)
-            if self.store is not None and not torch.is_grad_enabled() \
-                    and _chunkable_ops(plan):
-                # A store streamed without autograd goes chunk by chunk (_column_by_chunks).
+            if model.unit == "chunk":  # a store streamed without autograd (_column_by_chunks)
                 column_edges = int(np.asarray(self.store.counts).max(initial=0))
-        return int(math.ceil(self._bytes_per_edge(program, g, num_intervals) * column_edges))
+            else:
+                column_edges = int(self._column_edges(g, num_intervals).max(initial=0))
+        return model.peak(num_intervals, 0, column_edges)
 
-    def _bytes_per_edge(self, program, g, p: int) -> float:
+    def cost_model(self, program, g, num_intervals: int) -> partition.CostModel:
+        """The :class:`partition.CostModel` of one streamed call of ``program`` on ``g`` with P
+        intervals. It has edge terms only (vertex-level data is resident whatever P is, and the
+        engine keeps no chunk table: ``bytes_per_vertex``, ``dst_bytes_per_vertex``,
+        ``table_bytes_per_chunk`` and ``fixed`` are 0), so ``peak(P, V, C)`` is a number of
+        bytes per edge times ``C``:
+
+        - ``work_bytes_per_edge``: the peak bytes per edge of running the edge part forward and
+          backward on one column (its edge values, the ones autograd saves, their gradients,
+          the kernels' per-edge buffers; forward only where autograd is off). It is
+          *measured*, once per compiled program (and grad mode): the program runs forward and
+          backward on two small random graphs (16 vertices, 1024 and 4096 edges) while
+          :class:`~ngra.engine.TensorMemory` records the peak bytes of live tensors; the slope
+          of peak over edges is the per-edge cost. If the probe cannot run (inputs it cannot
+          synthesize), the bound ``2 * edge_bytes`` is used instead: every edge-domain value of
+          the IR that owns memory (views are not counted) and its gradient alive at once;
+        - ``bytes_per_edge``: ``_INDEX_BYTES`` (96) per edge of preparing a column: its CSR,
+          original edge ids and the transposed CSR backward uses, with their sort buffers (or a
+          store column's arrays read and merged). A store's columns are read at every pass,
+          the next one on the prefetch thread while this one computes (``prefetch`` as the
+          engine's, ``overlap``: ``work + (1 + prefetch) * 96``). An in-memory graph's columns
+          are prepared by the first call, one at a time before each computes and after the
+          previous column's edge values are gone (no prefetch, no overlap: ``max(work, 96)``),
+          then cached (as the graph caches its own CSR), so later calls make no index arrays
+          (``bytes_per_edge`` 0: ``work``); the cache itself, about 36 bytes per edge of the
+          graph, is part of the fixed overhead.
+        - ``unit``: ``"column"``, or ``"chunk"`` for a store streamed without autograd and
+          without edge softmax.
+        """
         compute = _compute_bytes_per_edge(program, g.device, self.backend)
-        if self.store is not None:  # read at every pass, the next column while this one computes
-            return compute + _INDEX_BYTES * (2 if self.prefetch else 1)
-        layout = self._layout(g, p, create=False)
+        chunks = self.store is not None and not torch.is_grad_enabled() \
+            and _chunkable_ops(StreamPlan.of(program.ir))
+        edge_only = dict(bytes_per_vertex=0, dst_bytes_per_vertex=0, table_bytes_per_chunk=0,
+                         work_bytes_per_edge=compute, unit="chunk" if chunks else "column")
+        if self.store is not None:
+            return partition.CostModel(bytes_per_edge=_INDEX_BYTES, prefetch=self.prefetch,
+                                       **edge_only)
+        layout = self._layout(g, num_intervals, create=False)
         if layout is None or not layout.prepared(backward=torch.is_grad_enabled()):
-            # An in-memory graph's columns are prepared one at a time, each before it computes
-            # and after the previous column's edge values are gone: the two never overlap.
-            return max(compute, _INDEX_BYTES)
-        return compute
+            return partition.CostModel(bytes_per_edge=_INDEX_BYTES, prefetch=False,
+                                       overlap=False, **edge_only)
+        return partition.CostModel(bytes_per_edge=0, prefetch=False, **edge_only)
 
     def vertex_bytes(self, program, g) -> int:
         """Bytes one streamed call keeps resident whatever P is (an upper bound): each vertex
@@ -255,9 +263,9 @@ class Engine:
         if self.num_chunks is not None:
             return self.num_chunks
         cap = max(1, min(g.num_nodes, MAX_INTERVALS))
-        fits = lambda p: self.estimate(program, g, p) <= self.budget  # noqa: E731
-        lo, p = 0, 1  # estimate(lo) is over budget (0: none tried yet)
-        while not fits(p):
+
+        def stop(tried: list[int]) -> None:
+            p = tried[-1]
             if p >= cap:
                 raise ValueError(
                     f"memory_budget {partition.format_bytes(self.budget)} cannot be met: with "
@@ -266,11 +274,12 @@ class Engine:
                     f"{partition.format_bytes(self.estimate(program, g, p))} (the destination "
                     f"with the most in-edges has "
                     f"{int(g.in_degrees().max()) if g.num_edges else 0}); raise the budget")
-            lo, p = p, min(2 * p, cap)
-        while p - lo > 1:  # the smallest fitting P between the last two doubling steps
-            mid = (lo + p) // 2
-            lo, p = (lo, mid) if fits(mid) else (mid, p)
-        return p
+
+        # partition.grid's doubling and bisection, from P = 1 rather than from a lower bound (the
+        # model changes with P: a layout's columns may be cached for some P only), and up to
+        # MAX_INTERVALS with no search for a rise (the engine's model has no chunk table).
+        return double_and_bisect(lambda p: self.estimate(program, g, p) <= self.budget, 1, cap,
+                                 stop)
 
     def _canonical(self, g):
         """``g``, or the first graph this engine saw with the same edges: layers that derive the

@@ -1,6 +1,9 @@
-"""The cost model of the streaming engine: the live-tensor meter (:class:`TensorMemory`) and the
-probe that measures a program's peak bytes per edge (:func:`_compute_bytes_per_edge`), from
-which :meth:`ngra.engine.Engine.estimate` chooses the number of intervals under a budget."""
+"""The engine's measurements for the cost model (:class:`partition.CostModel`, the one model
+that ``partition.grid`` and the engine choose P with): the live-tensor meter
+(:class:`TensorMemory`), the probe that measures a program's peak bytes per edge
+(:func:`_compute_bytes_per_edge`, the model's ``work_bytes_per_edge``) and the index bytes per
+edge of preparing a column (``_INDEX_BYTES``, its ``bytes_per_edge``), from which
+:meth:`ngra.engine.Engine.cost_model` builds the model of a call."""
 
 from __future__ import annotations
 
@@ -91,7 +94,7 @@ _probed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _compute_bytes_per_edge(program, device, backend) -> float:
     """Measured peak bytes per edge of the edge part, forward and backward, or forward only
-    where autograd is off (see :meth:`Engine.estimate`); the ``2 * edge_bytes`` bound if the
+    where autograd is off (see :meth:`Engine.cost_model`); the ``2 * edge_bytes`` bound if the
     probe cannot run."""
     backward = torch.is_grad_enabled()
     key = (str(device), backend, backward)
