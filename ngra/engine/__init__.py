@@ -95,7 +95,8 @@ layer runs correctly in memory. Edge dropout streams: an edge's mask is a hash o
 and its global edge id (``executor.edge_dropout``), so results do not depend on P. Under
 ``memory_budget``, P is the smallest number of intervals whose :meth:`Engine.estimate` (one
 column's edge-level working set, with the bytes per edge measured on a small probe graph) fits
-the budget.
+the budget; the estimate is ``partition.CostModel.peak`` of the model :meth:`Engine.cost_model`
+builds, the same cost model ``partition.grid`` chooses its P with.
 
 The package, by concern: :mod:`~ngra.engine.plan` (the IR cut into parts), :mod:`~ngra.engine.columns`
 (where columns come from), :mod:`~ngra.engine.cost` (the memory meter and the per-edge probe),
