@@ -52,10 +52,15 @@ def supported(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.numel() > 0
 
 
+def _threshold(p: float) -> int:
+    """An element is kept when the top 24 bits of its hash are below this."""
+    return int(round((1.0 - p) * (1 << 24)))
+
+
 def _apply(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     xc = x.detach().contiguous()
     out = _CACHE.empty(tuple(xc.shape), xc.dtype)
-    threshold = np.uint64(int(round((1.0 - p) * (1 << 24))))
+    threshold = np.uint64(_threshold(p))
     _dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), np.uint64(seed), threshold,
                     _scalar(1.0 / (1.0 - p), xc.dtype))
     return out
@@ -72,10 +77,14 @@ class _Dropout(torch.autograd.Function):
         return _apply(grad, ctx.p, ctx.seed), None, None
 
 
-def dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` with each element zeroed with probability ``p`` (else scaled by ``1 / (1 - p)``),
     the mask given by ``seed`` (an int in [0, 2**63)); differentiable. CPU, float32/float64,
-    ``0 < p < 1`` (see :func:`supported`)."""
+    ``0 < p < 1`` (see :func:`supported`). ``rows`` (int64 [R], non-negative): ``x`` holds rows
+    ``rows`` of a larger tensor, and gets exactly their part of that tensor's mask (element j of
+    row r is element ``rows[r] * width + j``)."""
+    if rows is not None:
+        return edge_dropout(x, rows, int(seed), _threshold(p), 1.0 / (1.0 - p))
     return _Dropout.apply(x, float(p), int(seed))
 
 

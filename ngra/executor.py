@@ -152,7 +152,7 @@ def edge_dropout(x: torch.Tensor, p: float, seed: int, edge_ids: torch.Tensor | 
     row = math.prod(x.shape[1:])
     ids = None if edge_ids is None else edge_ids.to(device=x.device, dtype=torch.int64)
     state = _to_int64(int(_splitmix64(torch.tensor(seed, dtype=torch.int64)).item()))
-    threshold = int(round((1.0 - p) * (1 << 24)))
+    threshold = _dropout_kernel._threshold(p)
     if not inplace and _dropout_kernel.supported(x):
         # The same mask, per element in parallel: the torch form below makes int64 temporaries
         # of x's size (0.5 GiB each for GAT's 16M x 4 attention) and took most of GAT's epoch.

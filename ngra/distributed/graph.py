@@ -158,8 +158,12 @@ class DistOps(GraphOps):
             return None
         hit = self._extended.get(id(u))
         if hit is None or hit[0] is not u:
-            hit = self._extended[id(u)] = (u, _with_halo(u, self.halo))
+            hit = self._extended[id(u)] = (u, self._exchange(u))
         return hit[1]
+
+    def _exchange(self, u):
+        """``[u; halo rows of u]``, how this mode brings them (here: the halo exchange)."""
+        return _with_halo(u, self.halo)
 
     def gsddmm(self, op, u, v, e):
         return super().gsddmm(op, self._extend(u), v, e)
@@ -458,7 +462,7 @@ class DistGraph(Graph):
         if self.exchange == "ring":
             from .ring import RingOps
 
-            ops = RingOps(self.in_csr(), backend, self.ring())
+            ops = RingOps(self.in_csr(), backend, self._halo, self.ring())
         else:
             ops = DistOps(self.in_csr(), backend, self._halo)
         ops.edge_ids = self.edge_ids  # global ids: edge dropout draws as one process does

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 import kernels
-from ..executor import GraphOps
+from .graph import DistOps
 from .transport import TransportError
 
 __all__ = ["Ring", "RingOps", "EXCHANGE_MODES"]
@@ -286,30 +286,20 @@ class _RingGSpMM(torch.autograd.Function):
         return grad_u, grad_e, None, None, None
 
 
-class RingOps(GraphOps):
-    """Graph ops of a worker in ring mode (see the module docstring)."""
+class RingOps(DistOps):
+    """Graph ops of a worker in ring mode (see the module docstring): ``[u; halo rows]`` comes
+    around the ring, and a sum / mean g-SpMM reading ``u`` runs chunk by chunk."""
 
-    def __init__(self, csr, backend: str, ring: Ring):
-        super().__init__(csr, backend)
+    def __init__(self, csr, backend: str, halo, ring: Ring):
+        super().__init__(csr, backend, halo)
         self.ring = ring
-        self._extended: dict[int, tuple] = {}
 
-    def _extend(self, u):
-        if u is None:
-            return None
-        hit = self._extended.get(id(u))
-        if hit is None or hit[0] is not u:
-            hit = self._extended[id(u)] = (u, self.ring.extend(u))
-        return hit[1]
-
-    def gsddmm(self, op, u, v, e):
-        return super().gsddmm(op, self._extend(u), v, e)
+    def _exchange(self, u):
+        return self.ring.extend(u)
 
     def gspmm(self, op, reduce, u, e):
-        if u is None:
-            return super().gspmm(op, reduce, None, e)
-        if reduce not in _CHUNKED_REDUCERS:
-            return super().gspmm(op, reduce, self._extend(u), e)
+        if u is None or reduce not in _CHUNKED_REDUCERS:
+            return super().gspmm(op, reduce, u, e)
         out = _RingGSpMM.apply(u, e, self.ring, op, self.backend)
         if reduce == "mean":
             deg = self.ring.in_degree.clamp(min=1).to(out.dtype)

@@ -34,11 +34,8 @@ def _dropout(x: torch.Tensor, p: float, training: bool, g=None) -> torch.Tensor:
         return F.dropout(x, p, training)
     seed = int(torch.randint(0, 1 << 62, (1,)).item())
     ids = getattr(g, "global_ids", None)
-    if ids is not None and ids.shape[0] == x.shape[0]:
-        # The flat-index mask of rows ids (element j of row r is element ids[r] * width + j).
-        threshold = int(round((1.0 - p) * (1 << 24)))
-        return _fast_dropout.edge_dropout(x, ids.to(torch.int64), seed, threshold, 1.0 / (1.0 - p))
-    return _fast_dropout.dropout(x, p, seed)
+    rows = ids.to(torch.int64) if ids is not None and ids.shape[0] == x.shape[0] else None
+    return _fast_dropout.dropout(x, p, seed, rows)
 
 
 _ACTIVATIONS = {"relu": F.relu, "elu": F.elu, "identity": lambda x: x}

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import distutil
+from test_dist_graph import _step as _loss_step
 
 N, F_IN, HIDDEN, CLASSES = 72, 5, 6, 3
 ORDERS = ("fixed", "overlap", "searched")
@@ -44,11 +45,8 @@ def _model(name):
 
 
 def _step(model, name, g, x, y, train, w, n_train):
-    kwargs = {"edge_weight": w} if name == "gcn" else {}
-    out = model(g, x, **kwargs)
-    loss = torch.nn.functional.cross_entropy(out[train], y[train], reduction="sum") / n_train
-    loss.backward()
-    return out, loss
+    return _loss_step(model, g, x, y, train, {"edge_weight": w} if name == "gcn" else {},
+                      n_train)
 
 
 def _reference(name):
