@@ -399,23 +399,39 @@ class Transport:
         if self.backend != "gloo":
             dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
             return
+        recvs, sends = self._post(recv, send, recv_counts, send_counts, range(self.world_size),
+                                  "exchange")
+        limit = datetime.timedelta(seconds=self.timeout)
+        for w in [*(w for _, w in sends), *recvs.values()]:
+            w.wait(limit)
+
+    def _post(self, recv: torch.Tensor, send: torch.Tensor, recv_counts: list,
+              send_counts: list, order, what: str) -> tuple[dict, list]:
+        """Gloo point-to-point rows of an exchange, posted and not waited for: this worker's own
+        rows copied, then per peer in ``order`` (those with rows to move) one ``isend`` and one
+        ``irecv``. Returns ``({peer: irecv work}, [(peer, isend work)])``; a transfer that cannot
+        be posted is a :class:`TransportError` naming ``what`` and the peer."""
         r_off = [0] + list(itertools.accumulate(recv_counts))
         s_off = [0] + list(itertools.accumulate(send_counts))
         me = self.rank
         if recv_counts[me]:
             recv[r_off[me]:r_off[me + 1]].copy_(send[s_off[me]:s_off[me + 1]])
-        works = []
-        for p in range(self.world_size):
+        recvs: dict = {}
+        sends: list = []
+        for p in order:
             if p == me:
                 continue
             peer = dist.get_global_rank(self.group, p) if self.group is not None else p
-            if send_counts[p]:
-                works.append(dist.isend(send[s_off[p]:s_off[p + 1]], peer, group=self.group))
-            if recv_counts[p]:
-                works.append(dist.irecv(recv[r_off[p]:r_off[p + 1]], peer, group=self.group))
-        limit = datetime.timedelta(seconds=self.timeout)
-        for w in works:
-            w.wait(limit)
+            try:
+                if send_counts[p]:
+                    sends.append((p, dist.isend(send[s_off[p]:s_off[p + 1]], peer,
+                                                group=self.group)))
+                if recv_counts[p]:
+                    recvs[p] = dist.irecv(recv[r_off[p]:r_off[p + 1]], peer, group=self.group)
+            except RuntimeError as e:
+                raise TransportError(f"rank {me}: {what} could not post the transfer with peer "
+                                     f"{p}: {e}") from e
+        return recvs, sends
 
     def plan(self, region: Region, need: dict[int, torch.Tensor]) -> "ExchangePlan":
         """Collective: an exchange that gives this worker rows ``need[peer]`` of each peer's
@@ -564,27 +580,9 @@ class ExchangePlan:
             if out is not recv:
                 out.copy_(recv)
             return PendingPull(self, {}, [], ())
-        me = t.rank
         send = torch.index_select(self.region.local, 0, self._serve_ids)
-        r_off = self.recv_offsets
-        s_off = [0] + list(itertools.accumulate(self._send_counts))
-        if self._recv_counts[me]:
-            out[r_off[me]:r_off[me + 1]].copy_(send[s_off[me]:s_off[me + 1]])
-        recvs: dict = {}
-        sends: list = []
-        for p in order:
-            if p == me:
-                continue
-            peer = dist.get_global_rank(t.group, p) if t.group is not None else p
-            try:
-                if self._send_counts[p]:
-                    sends.append((p, dist.isend(send[s_off[p]:s_off[p + 1]], peer,
-                                                group=t.group)))
-                if self._recv_counts[p]:
-                    recvs[p] = dist.irecv(out[r_off[p]:r_off[p + 1]], peer, group=t.group)
-            except RuntimeError as e:
-                raise TransportError(f"rank {me}: pull_async({self.region.name!r}) could not post "
-                                     f"the transfer with peer {p}: {e}") from e
+        recvs, sends = t._post(out, send, self._recv_counts, self._send_counts, order,
+                               f"pull_async({self.region.name!r})")
         self._account("pulls", "pull_s", start, cpu, self._foreign_recv, self._foreign_send)
         return PendingPull(self, recvs, sends, (send, out))
 
