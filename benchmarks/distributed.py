@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--project", default="8,16,32,64", help="worker counts to project to")
     ap.add_argument("--data-dir", default=None, help="datasets folder (default: ../shared/datasets)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
-    ap.add_argument("--metis-balance", choices=("vertices", "edges"), default="vertices",
+    ap.add_argument("--metis-balance", choices=("both", "vertices", "edges"), default="both",
                     help="what METIS parts balance (ngra.distributed.partition's balance)")
     ap.add_argument("--num-chunks", type=int, default=0,
                     help="each worker streams its piece through ngra.Engine(num_chunks=P)")

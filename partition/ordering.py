@@ -13,9 +13,10 @@ from scipy.sparse.csgraph import reverse_cuthill_mckee
 
 from ._edges import as_edges, as_index_array, check_count
 
-__all__ = ["Ordering", "reorder", "metis_parts", "METHODS"]
+__all__ = ["Ordering", "reorder", "metis_parts", "METHODS", "BALANCES"]
 
 METHODS = ("identity", "rcm", "metis")
+BALANCES = ("edges", "vertices", "both")
 
 
 class Ordering:
@@ -152,18 +153,29 @@ def metis_parts(src, dst, num_nodes: int, num_parts: int, *, seed: int = 0,
     - ``"edges"``: in-edges plus vertices (each vertex weighs its in-degree + 1): the edges of
       a part's destination column, which bound a streamed column's memory;
     - ``"vertices"``: vertex counts (METIS unweighted): the per-vertex dense work (feature
-      projections), which dominates many GNN layers' time.
+      projections), which dominates many GNN layers' time;
+    - ``"both"``: vertex counts *and* in-edges at once (METIS's multi-constraint mode, two
+      weights per vertex): a worker's vertex rows and its edges (its memory and both kinds of
+      work) each about 1/K.
 
-    METIS balances the one weight it is given, not both: on a power-law graph the two differ
-    a lot (R-MAT 1M/16M, 2 parts: "vertices" gives 15.8M / 0.2M edges, "edges" 7.7M / 8.3M
-    edges but 819K / 230K vertices)."""
+    One weight is not the other on a power-law graph (R-MAT 1M/16M, 2 parts: "vertices" gives
+    15.8M / 0.2M edges, "edges" 7.7M / 8.3M edges but 819K / 230K vertices, "both" 543K / 506K
+    vertices and 7.7M / 8.3M edges, at a cut of 7.2M edges). pymetis passes one weight per
+    vertex, so "both" calls ``METIS_PartGraphKway`` of the METIS library inside pymetis with
+    ``ncon = 2`` (:func:`_metis_multi`)."""
     src, dst, num_nodes = as_edges(src, dst, num_nodes)
     num_parts = check_count(num_parts, "num_parts", minimum=1)
-    if balance not in ("edges", "vertices"):
-        raise ValueError(f"balance must be 'edges' or 'vertices' (got {balance!r})")
+    if balance not in BALANCES:
+        raise ValueError(f"balance must be one of {list(BALANCES)} (got {balance!r})")
+    adj = symmetrized_adjacency(src, dst, num_nodes)
+    if balance == "both":
+        indeg = np.bincount(dst, minlength=num_nodes).astype(np.int64)
+        if indeg.any():  # METIS refuses a constraint whose weights are all zero
+            return _metis_parts(adj, num_nodes, num_parts, seed,
+                                np.stack([np.ones(num_nodes, dtype=np.int64), indeg], axis=1))
+        balance = "vertices"
     weights = _work(dst, num_nodes) if balance == "edges" else None
-    return _metis_parts(symmetrized_adjacency(src, dst, num_nodes), num_nodes, num_parts, seed,
-                        weights)
+    return _metis_parts(adj, num_nodes, num_parts, seed, weights)
 
 
 def _work(dst: np.ndarray, num_nodes: int) -> np.ndarray:
@@ -191,14 +203,18 @@ def _metis_parts(adj: sp.csr_matrix, num_nodes: int, num_parts: int, seed: int,
     xadj = adj.indptr.astype(idx)
     adjncy = adj.indices.astype(idx)
     eweights = adj.data.astype(idx) if adj.nnz else None
-    vweights = None if vweights is None else np.asarray(vweights).astype(idx)
-    options = pymetis.Options(seed=int(seed))
-    if hasattr(pymetis, "CSRAdjacency"):  # pymetis >= 2025.2; xadj/adjncy keywords are deprecated
-        result = pymetis.part_graph(num_parts, pymetis.CSRAdjacency(xadj, adjncy),
-                                    vweights=vweights, eweights=eweights, options=options)
+    if vweights is not None and np.ndim(vweights) == 2:
+        parts = _metis_multi(xadj, adjncy, np.asarray(vweights), eweights, num_parts, seed)
+        result = (None, parts)
     else:
-        result = pymetis.part_graph(num_parts, xadj=xadj, adjncy=adjncy,
-                                    vweights=vweights, eweights=eweights, options=options)
+        vweights = None if vweights is None else np.asarray(vweights).astype(idx)
+        options = pymetis.Options(seed=int(seed))
+        if hasattr(pymetis, "CSRAdjacency"):  # pymetis >= 2025.2; xadj/adjncy are deprecated
+            result = pymetis.part_graph(num_parts, pymetis.CSRAdjacency(xadj, adjncy),
+                                        vweights=vweights, eweights=eweights, options=options)
+        else:
+            result = pymetis.part_graph(num_parts, xadj=xadj, adjncy=adjncy,
+                                        vweights=vweights, eweights=eweights, options=options)
     parts = np.asarray(result[1], dtype=np.int64)
     if parts.shape != (num_nodes,) or parts.min() < 0 or parts.max() >= num_parts:
         raise RuntimeError(
@@ -206,3 +222,61 @@ def _metis_parts(adj: sp.csr_matrix, num_nodes: int, num_parts: int, seed: int,
             f"with parts in [0, {num_parts}))"
         )
     return parts
+
+
+_METIS_OK = 1
+_METIS_ERRORS = {-2: "METIS_ERROR_INPUT", -3: "METIS_ERROR_MEMORY", -4: "METIS_ERROR"}
+_METIS_NOPTIONS = 40  # METIS_NOPTIONS in metis.h (5.1 and 5.2)
+
+
+def _metis_multi(xadj: np.ndarray, adjncy: np.ndarray, vweights: np.ndarray,
+                 eweights: np.ndarray | None, num_parts: int, seed: int) -> np.ndarray:
+    """METIS k-way with ``vweights.shape[1]`` balance constraints (``ncon``): every part gets
+    about its share of each weight column (METIS's default 3% imbalance per constraint).
+
+    pymetis's ``part_graph`` hard-codes one constraint, but its extension module links METIS
+    and exports ``METIS_PartGraphKway``; this calls that function through ctypes with the index
+    width pymetis reports, METIS's default options and pymetis's own index of the seed option,
+    so it is the same METIS, only with ``ncon > 1``."""
+    import ctypes
+
+    import pymetis._internal as internal
+
+    width = internal._idx_type_width()
+    if width not in (32, 64):
+        raise RuntimeError(f"pymetis reports a METIS index width of {width} bits; expected 32/64")
+    idx, c_idx = (np.int64, ctypes.c_int64) if width == 64 else (np.int32, ctypes.c_int32)
+    try:
+        lib = ctypes.CDLL(internal.__file__)
+        kway, defaults = lib.METIS_PartGraphKway, lib.METIS_SetDefaultOptions
+    except (OSError, AttributeError) as e:
+        raise RuntimeError(
+            "balance='both' needs METIS's multi-constraint k-way, called in the METIS library "
+            f"inside pymetis ({internal.__file__}), which does not export it here ({e}); "
+            "use balance='vertices' or 'edges'"
+        ) from e
+    p_idx = ctypes.POINTER(c_idx)
+    kway.restype = ctypes.c_int
+    defaults.restype = ctypes.c_int
+
+    def ptr(a):
+        return None if a is None else a.ctypes.data_as(p_idx)
+
+    n = len(xadj) - 1
+    ncon = int(vweights.shape[1])
+    xadj, adjncy = np.ascontiguousarray(xadj, idx), np.ascontiguousarray(adjncy, idx)
+    vwgt = np.ascontiguousarray(vweights, dtype=idx).reshape(-1)  # [n, ncon] row-major
+    adjwgt = None if eweights is None else np.ascontiguousarray(eweights, idx)
+    options = np.zeros(_METIS_NOPTIONS, dtype=idx)
+    defaults(ptr(options))
+    options[internal.options_indices.SEED] = int(seed)
+    scalars = {k: np.array([v], dtype=idx) for k, v in
+               (("n", n), ("ncon", ncon), ("nparts", num_parts), ("objval", 0))}
+    part = np.zeros(n, dtype=idx)
+    status = kway(ptr(scalars["n"]), ptr(scalars["ncon"]), ptr(xadj), ptr(adjncy), ptr(vwgt),
+                  None, ptr(adjwgt), ptr(scalars["nparts"]), None, None, ptr(options),
+                  ptr(scalars["objval"]), ptr(part))
+    if status != _METIS_OK:
+        raise RuntimeError(f"METIS_PartGraphKway (ncon={ncon}, nparts={num_parts}) failed: "
+                           f"{_METIS_ERRORS.get(status, status)}")
+    return part.astype(np.int64)
