@@ -37,7 +37,7 @@ class Graph:
     Methods that build a new graph (``reverse``, ``add_self_loops``, ...) never modify this one.
     """
 
-    __slots__ = ("_src", "_dst", "_num_nodes", "_in_csr")
+    __slots__ = ("_src", "_dst", "_num_nodes", "_in_csr", "_loop_eids")
 
     def __init__(self, src, dst, num_nodes=None):
         src = _as_id_tensor(src, "src")
@@ -53,12 +53,14 @@ class Graph:
             num_nodes = _as_num_nodes(num_nodes)
         num_nodes = _check_ids(src, dst, num_nodes)
         self._src, self._dst, self._num_nodes, self._in_csr = src, dst, num_nodes, None
+        self._loop_eids = None
 
     @classmethod
     def _trusted(cls, src: torch.Tensor, dst: torch.Tensor, num_nodes: int) -> "Graph":
         # Internal constructor for edge lists derived from an already validated graph.
         g = cls.__new__(cls)
         g._src, g._dst, g._num_nodes, g._in_csr = src, dst, int(num_nodes), None
+        g._loop_eids = None
         return g
 
     # -- fields -----------------------------------------------------------------------------
@@ -91,8 +93,22 @@ class Graph:
 
     # -- degrees and sparse structures ------------------------------------------------------
     def in_degrees(self) -> torch.Tensor:
-        """Number of in-edges of each vertex, [N] int64 (parallel edges and self-loops counted)."""
+        """Number of in-edges of each vertex, [N] int64 (parallel edges and self-loops counted);
+        read off the in-CSR's row pointers once it is built (O(N) instead of O(E))."""
+        csr = self._in_csr
+        if csr is not None and csr.num_dst == self._num_nodes:
+            return torch.diff(csr.indptr).to(torch.int64)
         return torch.bincount(self._dst, minlength=self._num_nodes)
+
+    def self_loop_edges(self) -> torch.Tensor:
+        """Ids of the self-loop edges (``src[k] == dst[k]``), [L] int64 ascending; computed
+        once per graph (a graph's edges do not change), so layers that treat self loops apart
+        (GCN, CommNet) do not scan the edges on every call."""
+        eids = getattr(self, "_loop_eids", None)
+        if eids is None:
+            eids = torch.nonzero(self.src == self.dst).flatten()
+            self._loop_eids = eids
+        return eids
 
     def out_degrees(self) -> torch.Tensor:
         """Number of out-edges of each vertex, [N] int64."""
@@ -122,6 +138,7 @@ class Graph:
         training run reads the CSR, ``num_edges`` and ``device`` only."""
         g = _CSRGraph.__new__(_CSRGraph)
         g._num_nodes, g._in_csr = self._num_nodes, self.in_csr()
+        g._loop_eids = getattr(self, "_loop_eids", None)
         return g
 
     # -- transformations --------------------------------------------------------------------

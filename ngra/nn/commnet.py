@@ -52,10 +52,13 @@ class CommNetConv(Conv):
         where = type(self).__name__
         check_graph(where, g)
         check_features(where, x, g, self.in_channels)
-        is_loop = g.src == g.dst
-        count = torch.bincount(g.dst[~is_loop], minlength=g.num_nodes).to(x.dtype)
-        vdata = {"h": x, "inv": inv_or_zero(count).unsqueeze(1)}
-        edata = {"w": (~is_loop).to(x.dtype).unsqueeze(1)} if bool(is_loop.any()) else {}
+        loops = g.self_loop_edges()
+        count = g.in_degrees()
+        if loops.numel():
+            count = count - torch.bincount(g.dst[loops], minlength=g.num_nodes)
+        vdata = {"h": x, "inv": inv_or_zero(count.to(x.dtype)).unsqueeze(1)}
+        edata = {"w": x.new_ones(g.num_edges, 1).index_fill(0, loops, 0.0)} if loops.numel() \
+            else {}
         return g, vdata, edata
 
     def forward(self, g: Graph, x: torch.Tensor):

@@ -72,12 +72,12 @@ class GCNConv(Conv):
         w = check_edge_weight(where, edge_weight, g, x.dtype)
         vdata = {"h": x}
         if self.add_self_loops:
-            is_loop = g.src == g.dst
+            loops = g.self_loop_edges()
             loop_w = torch.ones(g.num_nodes, dtype=x.dtype, device=x.device)
-            if bool(is_loop.any()):
-                loop_w = loop_w.index_put((g.src[is_loop],),
-                                          w[is_loop] if w is not None else loop_w.new_ones(()))
-                w = (w if w is not None else x.new_ones(g.num_edges)).masked_fill(is_loop, 0.0)
+            if loops.numel():
+                loop_w = loop_w.index_put((g.src[loops],),
+                                          w[loops] if w is not None else loop_w.new_ones(()))
+                w = (w if w is not None else x.new_ones(g.num_edges)).index_fill(0, loops, 0.0)
             vdata["loop"] = loop_w.unsqueeze(1)
         if self.normalize:
             if w is None:

@@ -46,6 +46,12 @@ def test_fields_and_degrees(name):
     assert g.in_degrees().tolist() == indeg
     assert g.out_degrees().tolist() == outdeg
     assert g.device == torch.device("cpu")
+    loops = [k for k, (u, v) in enumerate(zip(src, dst)) if u == v]
+    assert g.self_loop_edges().tolist() == loops and g.self_loop_edges().dtype == torch.int64
+    g.in_csr()  # once built, the degrees come from its row pointers: the same values and dtype
+    assert g.in_degrees().tolist() == indeg and g.in_degrees().dtype == torch.int64
+    assert g._held_as_csr().in_degrees().tolist() == indeg
+    assert g._held_as_csr().self_loop_edges().tolist() == loops
 
 
 @pytest.mark.parametrize("convert", [
