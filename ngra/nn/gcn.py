@@ -107,7 +107,9 @@ class GCNConv(Conv):
     def apply_vertex(self, v, acc):
         # The self loop is one more term of the sum, from the vertex's own (scaled) W x_i;
         # tracing both calls of _source yields one node after CSE.
-        out = acc + v.data["loop"] * self._source(v) if self.add_self_loops else acc
+        # addcmul: each line one pass over [N, F] and no temporaries for the products
+        out = torch.addcmul(acc, v.data["loop"], self._source(v)) if self.add_self_loops else acc
         if self.normalize:
-            out = out * v.data["dinv"]
+            return torch.addcmul(self.bias, out, v.data["dinv"]) if self.bias is not None \
+                else out * v.data["dinv"]
         return out + self.bias if self.bias is not None else out

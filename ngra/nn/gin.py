@@ -51,4 +51,6 @@ class GINConv(Conv):
         return e.src["h"]
 
     def apply_vertex(self, v, acc):
-        return self.nn((1 + self.eps) * v.data["h"] + acc)
+        # acc + (1 + eps) h in one op: no [N, F] temporary for the product (on R-MAT 1M with
+        # 128 features, 512 MiB)
+        return self.nn(torch.addcmul(acc, 1 + self.eps, v.data["h"]))
