@@ -3,6 +3,33 @@
 All graph stages go through one place, :class:`GraphOps`, which maps IR ops onto the three
 kernels (``gspmm``, ``gsddmm``, ``edge_softmax``); everything else in the IR is plain PyTorch, so
 autograd covers vertex data, edge data and parameters alike.
+
+The IR has one interpreter, :class:`Interpreter` (in the style of ``torch.fx.Interpreter``): it
+walks a list of nodes in order, keeps their values in ``env`` (``id(node) -> value``), drops each
+value right after its last reader ran (:func:`drop_schedule`; ids in ``keep`` stay), times every
+node that has a SAGA stage when a :mod:`ngra.profile` is active, and evaluates a node through one
+overridable method per kind of op:
+
+- ``run()``: evaluate the nodes; returns the output node's value, or ``env`` when the list has no
+  output node (a part of an IR);
+- ``run_node(n)``: fetch the operands (``fetch_args``) and dispatch, timed per node;
+- ``fetch_args(n)``: ``(args, kwargs)`` with every node replaced by ``load(node)``; a graph op's
+  ``args`` come from ``graph_operands(n, spec)``;
+- ``load(n)``: the value of node ``n`` (from ``env``); ``output(n)``: the value the output node
+  ``n`` returns;
+- ``graph_operands(n, spec)``: the operands of graph op ``n`` (its ``GRAPH_OPS`` spec ``spec``);
+- ``dispatch(n, args, kwargs)``: the edge-dropout hook for a node that has a seed, else the
+  method named by ``n.op``, else ``graph_op`` for the ops of ``GRAPH_OPS``;
+- ``input``: a vertex or edge field of ``vdata`` / ``edata``; ``get_attr``: a parameter or buffer
+  of the layer; ``const``: the node's value; ``call_module``, ``call_function``,
+  ``call_method``: the call; ``graph_op``: the graph op on :class:`GraphOps` ``ops``;
+- ``edge_dropout(n, args, kwargs)``: dropout of an edge value with the mask of
+  :func:`edge_dropout` (the nodes that have a seed in ``rng``, see :class:`EdgeRandom`);
+- ``before(k, n)`` / ``after(k, n, value)``: called before node ``k`` fetches its operands and
+  after its value is in ``env`` (before dead values are dropped); ``after`` fills ``record``.
+
+:func:`run_ir` runs a whole IR with it; the streaming engine runs its pre and post parts with it
+and its edge part, one column at a time, with a subclass (``ngra.engine.run._ColumnInterpreter``).
 """
 
 from __future__ import annotations
@@ -20,8 +47,8 @@ from . import profile
 from .batch import EdgeBatch, VertexBatch, check_message, check_scatter
 from .ir import GRAPH_OPS, IR, Node, map_nodes
 
-__all__ = ["GraphOps", "run_ir", "run_eager", "propagate_shapes", "EdgeRandom", "edge_dropout",
-           "draw_seeds"]
+__all__ = ["GraphOps", "Interpreter", "drop_schedule", "run_ir", "run_eager", "propagate_shapes",
+           "EdgeRandom", "edge_dropout", "draw_seeds"]
 
 # Ops the kernels implement directly; the others are rewritten onto these below.
 _KERNEL_SDDMM = {"u_add_v", "u_sub_v", "u_mul_v", "u_dot_v", "u_add_e", "u_mul_e", "u_dot_e",
@@ -96,16 +123,17 @@ def fetch_attr(layer: torch.nn.Module, target: str):
     return obj
 
 
-def _last_uses(ir: IR) -> dict[int, list[Node]]:
-    """Map node index -> nodes whose value can be dropped after that node ran."""
+def drop_schedule(nodes: list[Node], keep=()) -> dict[int, list[int]]:
+    """``k -> ids`` of the values no node after ``nodes[k]`` reads (and not in ``keep``): they can
+    be dropped once ``nodes[k]`` ran. A value no node reads is never dropped."""
     last: dict[int, int] = {}
-    for i, n in enumerate(ir.nodes):
+    for k, n in enumerate(nodes):
         for a in n.inputs():
-            last[id(a)] = i
-    out: dict[int, list[Node]] = {}
-    for n in ir.nodes:
-        if id(n) in last:
-            out.setdefault(last[id(n)], []).append(n)
+            last[id(a)] = k
+    out: dict[int, list[int]] = {}
+    for ident, k in last.items():
+        if ident not in keep:
+            out.setdefault(k, []).append(ident)
     return out
 
 
@@ -220,63 +248,144 @@ class EdgeRandom:
         return EdgeRandom(self.seeds, edge_ids)
 
 
+# The method of each kind of op (the graph ops go to ``graph_op``).
+_METHODS = {op: op for op in ("input", "get_attr", "const", "call_module", "call_function",
+                              "call_method")}
+
+
+class Interpreter:
+    """Evaluates ``nodes`` (a whole IR or a part of one) on a graph; see the module docstring for
+    the methods a subclass overrides.
+
+    ``layer``: the module whose parameters and submodules the nodes name; ``ops``: the graph's
+    :class:`GraphOps` (None if no graph op runs); ``vdata`` / ``edata``: the input fields;
+    ``rng``: the state of edge dropout (None: dropout nodes run as written); ``env``: the values
+    known before the first node (shared with the caller, who may read it afterwards); ``keep``:
+    ids of values never dropped; ``record``: if given, receives ``id(node) -> value`` of every
+    node; ``profiled``: time the nodes when a profile is active.
+    """
+
+    def __init__(self, nodes, layer, ops: GraphOps | None, vdata: dict, edata: dict, *,
+                 rng: EdgeRandom | None = None, env: dict | None = None, keep=(),
+                 record: dict | None = None, profiled: bool = True):
+        self.nodes = nodes
+        self.layer, self.ops, self.vdata, self.edata, self.rng = layer, ops, vdata, edata, rng
+        self.env: dict[int, Any] = {} if env is None else env
+        self.drops = drop_schedule(nodes, keep)
+        self.record = record
+        self.profiled = profiled
+        self.prof = None
+
+    def run(self):
+        """Evaluate the nodes in order: the output node's value, or ``env`` if there is none."""
+        self.prof = profile.current() if self.profiled else None
+        env, drops = self.env, self.drops
+        for k, n in enumerate(self.nodes):
+            if n.op == "output":
+                return self.output(n)
+            self.before(k, n)
+            value = self.run_node(n)
+            env[id(n)] = value
+            self.after(k, n, value)
+            for dead in drops.get(k, ()):
+                env.pop(dead, None)
+        return env
+
+    def run_node(self, n: Node):
+        """Node ``n``'s value: its operands fetched, then :meth:`dispatch`, timed when ``n`` has a
+        stage and a profile is active."""
+        args, kwargs = self.fetch_args(n)
+        if self.prof is None or n.stage is None:
+            return self.dispatch(n, args, kwargs)
+        return profile.timed(self.prof, self.layer, n, lambda: self.dispatch(n, args, kwargs))
+
+    def before(self, k: int, n: Node) -> None:
+        """Called before node ``k`` (``n``) fetches its operands."""
+
+    def after(self, k: int, n: Node, value) -> None:
+        """Called once node ``k``'s value is in ``env``, before dead values are dropped."""
+        if self.record is not None:
+            self.record[id(n)] = value
+
+    def load(self, n: Node):
+        return self.env[id(n)]
+
+    def fetch_args(self, n: Node) -> tuple[Any, Any]:
+        spec = GRAPH_OPS.get(n.op)
+        args = map_nodes(n.args, self.load) if spec is None else self.graph_operands(n, spec)
+        return args, map_nodes(n.kwargs, self.load)
+
+    def graph_operands(self, n: Node, spec) -> tuple:
+        return map_nodes(n.args, self.load)
+
+    def dispatch(self, n: Node, args, kwargs):
+        """Evaluate node ``n`` on operand values ``args`` / ``kwargs``."""
+        if self.rng is not None and id(n) in self.rng.seeds:
+            return self.edge_dropout(n, args, kwargs)
+        name = _METHODS.get(n.op)
+        if name is not None:
+            return getattr(self, name)(n, args, kwargs)
+        if n.op in GRAPH_OPS:
+            return self.graph_op(n, args, kwargs)
+        raise ValueError(f"cannot execute op {n.op!r}")  # pragma: no cover - lint rejects them
+
+    def output(self, n: Node):
+        return self.load(n.args[0])
+
+    def input(self, n: Node, args, kwargs):
+        kind, field = n.target
+        return self.vdata[field] if kind == "vertex" else self.edata[field]
+
+    def get_attr(self, n: Node, args, kwargs):
+        return fetch_attr(self.layer, n.target)
+
+    def const(self, n: Node, args, kwargs):
+        return n.value
+
+    def call_module(self, n: Node, args, kwargs):
+        return self.layer.get_submodule(n.target)(*args, **kwargs)
+
+    def call_function(self, n: Node, args, kwargs):
+        return n.target(*args, **kwargs)
+
+    def call_method(self, n: Node, args, kwargs):
+        return getattr(args[0], n.target)(*args[1:], **kwargs)
+
+    def graph_op(self, n: Node, args, kwargs):
+        return GRAPH_OPS[n.op].run(self.ops, n, args)
+
+    def edge_dropout(self, n: Node, args, kwargs):
+        """Dropout node ``n`` on an edge value, masked per global edge id (``rng.edge_ids``)."""
+        p, _, inplace = dropout_spec(n, self.layer)
+        x = args[0] if args else kwargs["input"]
+        return edge_dropout(x, p, self.rng.seeds[id(n)], self.rng.edge_ids, inplace)
+
+
 def eval_node(n: Node, args: tuple, kwargs: dict, layer, ops: GraphOps, vdata: dict, edata: dict,
               rng: EdgeRandom | None = None):
     """Evaluate one node whose arguments are already values (``rng``: the state of edge
     dropout, see :func:`edge_dropout`)."""
-    op = n.op
-    if rng is not None and id(n) in rng.seeds:
-        p, _, inplace = dropout_spec(n, layer)
-        x = args[0] if args else kwargs["input"]
-        return edge_dropout(x, p, rng.seeds[id(n)], rng.edge_ids, inplace)
-    if op == "input":
-        kind, field = n.target
-        return vdata[field] if kind == "vertex" else edata[field]
-    if op == "get_attr":
-        return fetch_attr(layer, n.target)
-    if op == "const":
-        return n.value
-    if op == "call_module":
-        return layer.get_submodule(n.target)(*args, **kwargs)
-    if op == "call_function":
-        return n.target(*args, **kwargs)
-    if op == "call_method":
-        return getattr(args[0], n.target)(*args[1:], **kwargs)
-    spec = GRAPH_OPS.get(op)
-    if spec is not None:
-        return spec.run(ops, n, args)
-    raise ValueError(f"cannot execute op {op!r}")  # pragma: no cover - lint rejects unknown ops
+    return Interpreter((), layer, ops, vdata, edata, rng=rng).dispatch(n, args, kwargs)
 
 
 def run_ir(ir: IR, layer: torch.nn.Module, ops: GraphOps, vdata: dict, edata: dict,
            *, record: dict | None = None):
-    """Interpret ``ir``; values are dropped as soon as their last reader ran (memory frugal).
+    """Interpret ``ir`` (:class:`Interpreter`); values are dropped as soon as their last reader
+    ran (memory frugal).
 
-    ``record``, when given, receives ``id(node) -> value`` for every node (shape propagation).
-    Edge dropout draws its seeds first (:class:`EdgeRandom`), as the streaming engine does.
+    ``record``, when given, receives ``id(node) -> value`` for every node (shape propagation; the
+    nodes are not profiled then). Edge dropout draws its seeds first (:class:`EdgeRandom`), as the
+    streaming engine does.
     """
     # A worker's piece names its edges' global ids, so that its edge dropout masks are the
     # single process's (ops.edge_ids: None on a whole graph, rows 0..E-1).
     rng = EdgeRandom.draw(ir, layer).at(ops.edge_ids)
-    env: dict[int, Any] = {}
-    drops = _last_uses(ir)
-    load = lambda n: env[id(n)]  # noqa: E731
-    prof = profile.current() if record is None else None
-    for i, n in enumerate(ir.nodes):
-        if n.op == "output":
-            return load(n.args[0])
-        args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
-        if prof is not None and n.stage is not None:
-            val = profile.timed(prof, layer, n, lambda: eval_node(n, args, kwargs, layer, ops,
-                                                                  vdata, edata, rng))
-        else:
-            val = eval_node(n, args, kwargs, layer, ops, vdata, edata, rng)
-        env[id(n)] = val
-        if record is not None:
-            record[id(n)] = val
-        for dead in drops.get(i, ()):
-            env.pop(id(dead), None)
-    raise ValueError("IR has no output node")  # pragma: no cover
+    interpreter = Interpreter(ir.nodes, layer, ops, vdata, edata, rng=rng, record=record,
+                              profiled=record is None)
+    out = interpreter.run()
+    if out is interpreter.env:  # pragma: no cover - lint requires an output node
+        raise ValueError("IR has no output node")
+    return out
 
 
 def run_eager(layer, ops: GraphOps, vdata: dict, edata: dict, reduce: str):

@@ -74,19 +74,6 @@ class StreamPlan:
         return cls(pre, edge, post, [n for n in edge if n.op in _REDUCTIONS], needs, post_reads)
 
 
-def _drop_schedule(nodes: list[Node], keep: set) -> dict[int, list[int]]:
-    """``k -> ids`` of values no node after ``nodes[k]`` reads (and not in ``keep``)."""
-    last: dict[int, int] = {}
-    for k, n in enumerate(nodes):
-        for a in n.inputs():
-            last[id(a)] = k
-    out: dict[int, list[int]] = {}
-    for ident, k in last.items():
-        if ident not in keep:
-            out.setdefault(k, []).append(ident)
-    return out
-
-
 def _source_operands(plan: StreamPlan) -> list[int]:
     """Ids of the vertex values the edge part reads on the source side (``u`` of a g-SDDMM or
     g-SpMM, a scatter to ``src``), in plan order."""

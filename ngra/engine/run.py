@@ -1,6 +1,7 @@
-"""One streamed call (:class:`_Run`): the second interpreter of the IR, which evaluates the pre
-part on all vertices, the edge part one destination column at a time (through
-:class:`~ngra.engine.replay._Replay` when autograd follows) and the post part on all vertices."""
+"""One streamed call (:class:`_Run`): evaluates the pre part on all vertices and the post part on
+all vertices with :class:`ngra.executor.Interpreter`, and the edge part one destination column at
+a time with its subclass :class:`_ColumnInterpreter` (through
+:class:`~ngra.engine.replay._Replay` when autograd follows)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,10 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-from .. import profile
-from ..executor import EdgeRandom, GraphOps, eval_node
-from ..ir import GRAPH_OPS, Node, map_nodes
+from ..executor import EdgeRandom, GraphOps, Interpreter
+from ..ir import GRAPH_OPS, Node
 from .columns import _ChunkColumns, _Column, _Loader
-from .plan import (StreamPlan, _chunkable_ops, _drop_schedule, _reducer, _replayable,
-                   _source_operands)
+from .plan import StreamPlan, _chunkable_ops, _reducer, _replayable, _source_operands
 from .replay import _Replay
 
 
@@ -47,11 +46,7 @@ class _Run:
         env: dict[int, Any] = {}
         out_node = self.program.ir.output.args[0]
         keep = plan.needs | plan.post_reads | {id(out_node)}
-        drops = _drop_schedule(plan.pre, keep)
-        for k, n in enumerate(plan.pre):
-            env[id(n)] = self._eval_full(n, env)
-            for dead in drops.get(k, ()):
-                env.pop(dead, None)
+        self._full(plan.pre, env, keep).run()
         # Vertex operands of the edge part, in the partition's vertex order.
         vert = {i: self._to_new(env[i]) if n.domain == "vertex" else env[i]
                 for n in plan.pre if (i := id(n)) in plan.needs}
@@ -114,11 +109,7 @@ class _Run:
         for k, r in enumerate(plan.reductions):
             env[id(r)] = self._to_old(torch.cat(per_reduction[k], 0))
             per_reduction[k] = None  # the columns' results go as soon as they are joined
-        drops = _drop_schedule(plan.post, {id(out_node)})
-        for k, n in enumerate(plan.post):
-            env[id(n)] = self._eval_full(n, env)
-            for dead in drops.get(k, ()):
-                env.pop(dead, None)
+        self._full(plan.post, env, {id(out_node)}).run()
         return env[id(out_node)]
 
     def _start_exchange(self, vert: dict, recompute: bool):
@@ -155,18 +146,10 @@ class _Run:
             self.stream_stats["column_order_reason"] = why
         return columns, pending, col_peers
 
-    def _eval_full(self, n: Node, env):
-        """A pre or post node, on all vertices (they never touch the graph)."""
-        load = lambda a: env[id(a)]  # noqa: E731
-        args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
-        return self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, None, self.vdata,
-                                               self.edata))
-
-    def _eval(self, n: Node, fn):
-        prof = profile.current()
-        if prof is None or n.stage is None:
-            return fn()
-        return profile.timed(prof, self.layer, n, fn)
+    def _full(self, nodes: list[Node], env: dict, keep: set) -> Interpreter:
+        """The pre or post part ``nodes`` on all vertices (they never touch the graph), into
+        ``env``."""
+        return Interpreter(nodes, self.layer, None, self.vdata, self.edata, env=env, keep=keep)
 
     def _to_new(self, x):
         return x if self.identity else x.index_select(0, self.perm)
@@ -238,48 +221,64 @@ class _Run:
         index). ``watch``, if given, is told ``watch.node = k`` before node k runs and
         ``watch.done(k, value)`` after. ``partial``: ``col`` is one chunk of a column, and a mean
         is reduced as a sum (divided by the in-degree once the column is done)."""
-        ops = GraphOps(col.csr, self.engine.backend)
-        gids = getattr(self.g, "edge_ids", None)  # a worker's piece: its edges' global ids
-        rng = self.rng.at(col.eids if gids is None else gids[col.eids.to(gids.device)])
-        plan = self.plan
-        nodes = plan.edge if upto is None else plan.edge[:upto + 1]
-        env: dict[int, Any] = {}
+        nodes = self.plan.edge if upto is None else self.plan.edge[:upto + 1]
+        return _ColumnInterpreter(self, col, vert, nodes, keep=keep, watch=watch,
+                                  partial=partial).run()
 
-        def load(n):
-            return env[id(n)] if id(n) in env else vert[id(n)]
 
-        def rows(n, side):  # a vertex operand for the source or the destination side
-            if side == "src":
-                x = vert.get(("src", id(n)))
-                x = self.src_vert.get(id(n)) if x is None else x
-                x = load(n) if x is None else x
-                return x if col.src is None else x[col.src]
-            return load(n)[col.dst]
+class _ColumnInterpreter(Interpreter):
+    """The edge part (``nodes``, a prefix of ``run.plan.edge``) on one column ``col`` of call
+    ``run``: an edge input is the column's rows of the field, a vertex operand of a graph op the
+    rows of its side (``vert``: the values of the pre part the edge part reads, in the
+    partition's vertex order; source operands with their halo rows, if any, under
+    ``("src", id)`` or in ``run.src_vert``), edge dropout masks the column's global edge ids.
+    The reductions' values and the nodes at the indices in ``keep`` are never dropped.
+    ``watch`` sees every node (see :meth:`_Run._edge_part`); ``partial``: see there."""
 
-        keep_ids = {id(r) for r in plan.reductions} | {id(nodes[k]) for k in keep}
-        drops = _drop_schedule(nodes, keep_ids)
-        for k, n in enumerate(nodes):
-            if watch is not None:
-                watch.node = k
-            spec = GRAPH_OPS.get(n.op)
-            if n.op == "input":
-                value = self.edata[n.target[1]].index_select(0, col.eids)
-            elif spec is not None:  # vertex operands: the rows of their side of the column
-                args = tuple(None if a is None else load(a) if side == "edge" else rows(a, side)
-                             for a, side in zip(n.args, spec.sides(n)))
-                node = spec.with_reducer(n, "sum") if partial and spec.reduction \
-                    and spec.reducer(n) == "mean" else n  # a chunk's part of a mean: its sum
-                value = self._eval(n, lambda: spec.run(ops, node, args))
-            else:
-                args, kwargs = map_nodes(n.args, load), map_nodes(n.kwargs, load)
-                value = self._eval(n, lambda: eval_node(n, args, kwargs, self.layer, ops,
-                                                        self.vdata, self.edata, rng))
-            env[id(n)] = value
-            if watch is not None:
-                watch.done(k, value)
-            for dead in drops.get(k, ()):
-                env.pop(dead, None)
-        return env
+    def __init__(self, run: _Run, col: _Column, vert: dict, nodes: list[Node], *, keep=(),
+                 watch=None, partial: bool = False):
+        ops = GraphOps(col.csr, run.engine.backend)
+        gids = getattr(run.g, "edge_ids", None)  # a worker's piece: its edges' global ids
+        rng = run.rng.at(col.eids if gids is None else gids[col.eids.to(gids.device)])
+        keep_ids = {id(r) for r in run.plan.reductions} | {id(nodes[k]) for k in keep}
+        super().__init__(nodes, run.layer, ops, run.vdata, run.edata, rng=rng, keep=keep_ids)
+        self.col, self.vert, self.src_vert = col, vert, run.src_vert
+        self.watch, self.partial = watch, partial
+
+    def load(self, n: Node):
+        env = self.env
+        return env[id(n)] if id(n) in env else self.vert[id(n)]
+
+    def rows(self, n: Node, side: str):
+        """Vertex operand ``n``'s rows for the source or the destination side of the column."""
+        col = self.col
+        if side == "src":
+            x = self.vert.get(("src", id(n)))
+            x = self.src_vert.get(id(n)) if x is None else x
+            x = self.load(n) if x is None else x
+            return x if col.src is None else x[col.src]
+        return self.load(n)[col.dst]
+
+    def graph_operands(self, n: Node, spec) -> tuple:
+        return tuple(None if a is None else self.load(a) if side == "edge" else self.rows(a, side)
+                     for a, side in zip(n.args, spec.sides(n)))
+
+    def input(self, n: Node, args, kwargs):
+        return self.edata[n.target[1]].index_select(0, self.col.eids)
+
+    def graph_op(self, n: Node, args, kwargs):
+        spec = GRAPH_OPS[n.op]
+        if self.partial and spec.reduction and spec.reducer(n) == "mean":
+            n = spec.with_reducer(n, "sum")  # a chunk's part of a mean: its sum
+        return spec.run(self.ops, n, args)
+
+    def before(self, k: int, n: Node) -> None:
+        if self.watch is not None:
+            self.watch.node = k
+
+    def after(self, k: int, n: Node, value) -> None:
+        if self.watch is not None:
+            self.watch.done(k, value)
 
 
 class _ColumnAlias(torch.autograd.Function):
