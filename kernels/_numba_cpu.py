@@ -22,13 +22,14 @@ import numpy as np
 import torch
 
 from ._cpu.blocking import _SDDMM_MODEL, _block_csr, _hot_sources, _num_blocks
-from ._cpu.codes import (_CODE, M_BLOCK_E, M_COPY_E, M_COPY_U, M_GENERIC, S_COPY, S_DOT,
-                         S_DOT_ROW, S_GENERIC, S_SAME)
+from ._cpu.codes import (M_BLOCK_E, M_COPY_E, M_COPY_U, M_GENERIC, S_COPY, S_DOT, S_DOT_ROW,
+                         S_GENERIC, S_SAME)
 from ._cpu.softmax import _edge_dst, _edge_softmax, _edge_softmax_backward
 from ._cpu.sddmm import _sddmm
 from ._cpu.spmm import _maxmin_grad_e, _maxmin_grad_u, _spmm_maxmin, _spmm_mul_grads, _spmm_sum
 from ._ops import bcast_offsets, out_feat_shape
 from ._outcache import CACHE as _CACHE
+from ._scalar import _CODE, _TARGET
 
 NAME = "numba"
 DTYPES = (torch.float32, torch.float64)
@@ -337,9 +338,6 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
                 roff, _prefetch_distance(U.shape[1] * U.itemsize))
         ge = ge.reshape((csr.num_edges,) + fe)
     return gu, ge
-
-
-_TARGET = {"u": 0, "v": 1, "e": 2}
 
 
 def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):

@@ -16,6 +16,11 @@ Torch CUDA tensors go to the kernels zero-copy through ``__cuda_array_interface_
 run on torch's current stream. Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) CPU tensors
 are accepted and passed as numpy arrays. Operand broadcasting goes through the offset maps of
 :func:`kernels._ops.bcast_offsets` (cached per shape).
+
+The op codes and the scalar helpers ``_bop`` and ``_row`` are those of ``kernels/_scalar.py``, which
+the CPU backend compiles too. The kernels are cached on disk (``cache=True``) and numba checks a
+cached kernel against this file only: after editing ``kernels/_scalar.py``, remove the cache
+(``make clean``), as for the CPU backend's helper modules (``kernels/_cpu/__init__.py``).
 """
 
 from __future__ import annotations
@@ -27,15 +32,13 @@ import torch
 from numba import config as _numba_config
 from numba import cuda, float64
 
+from . import _scalar
 from ._ops import bcast_offsets, out_feat_shape, reduce_to
+from ._scalar import _CODE, _TARGET, COPY_LHS, COPY_RHS, DIV, MUL, SUB
 
 NAME = "numba_cuda"
 DTYPES = (torch.float32, torch.float64)
 
-COPY_LHS, COPY_RHS, ADD, SUB, MUL, DIV, DOT = range(7)
-_CODE = {"copy_lhs": COPY_LHS, "copy_rhs": COPY_RHS, "add": ADD, "sub": SUB, "mul": MUL,
-         "div": DIV, "dot": DOT}
-_TARGET = {"u": 0, "v": 1, "e": 2}
 # Longest run of CSR positions one lane group reduces alone. 128 keeps the partial-result traffic
 # of split rows under 1% of the edge traffic while bounding a group's serial walk.
 _SEG_EDGES = 128
@@ -70,21 +73,10 @@ def check_device(device):
 
 
 # ----------------------------------------------------------------------------------------------
-# device functions
+# device functions (the scalar helpers the CPU kernels share, then this backend's own)
 
-@cuda.jit(device=True, inline=True)
-def _bop(op, a, b):
-    if op == ADD:
-        return a + b
-    if op == SUB:
-        return a - b
-    if op == MUL:
-        return a * b
-    if op == DIV:
-        return a / b
-    if op == COPY_RHS:
-        return b
-    return a
+_bop = cuda.jit(device=True, inline=True)(_scalar.bop)
+_row = cuda.jit(device=True, inline=True)(_scalar.row)
 
 
 @cuda.jit(device=True, inline=True)
@@ -95,15 +87,6 @@ def _msg(op, U, W, s, eid, a, b):
     if op == COPY_RHS:
         return W[eid, b]
     return _bop(op, U[s, a], W[eid, b])
-
-
-@cuda.jit(device=True, inline=True)
-def _row(target, s, v, eid):
-    if target == 0:
-        return s
-    if target == 1:
-        return v
-    return eid
 
 
 @cuda.jit(device=True, inline=True)

@@ -1,7 +1,9 @@
 """The numba CPU backend's kernels; its host side, which the backend dispatch loads, is
 ``kernels/_numba_cpu.py``.
 
-- ``codes``: the op and layout codes the kernels branch on at run time;
+- ``codes``: the layout codes the kernels branch on at run time, and the CPU compilations of the
+  scalar helpers (``_bop``, ``_row``) of ``kernels/_scalar.py``, which also holds the op codes and
+  which the CUDA backend compiles for its own target;
 - ``intrinsics``: small LLVM intrinsics for njit code (prefetch, cttz, max/min, select, bitcast);
 - ``tiles``: the register-tile gathers and the dot product, generated as LLVM IR;
 - ``fastmath``: an exp whose loops vectorize;
@@ -15,8 +17,9 @@ them sit outside the per-feature loops, so the hot loops stay simple enough to v
 Source rows are gathered at random, so the gather loops prefetch the row a few edges ahead.
 
 Numba checks a cached kernel against its own file only: after editing a module whose code or
-constants kernels compile in (codes, intrinsics, tiles, fastmath), remove the cache (``make
-clean`` deletes ``*.nbi`` / ``*.nbc``), or the kernels of the other modules keep the old code.
+constants kernels compile in (codes, intrinsics, tiles, fastmath, and ``kernels/_scalar.py``, whose
+helpers the CUDA backend's cached kernels compile in too), remove the cache (``make clean`` deletes
+``*.nbi`` / ``*.nbc``), or the kernels of the other modules keep the old code.
 """
 
 import os

@@ -1,19 +1,19 @@
-"""The codes the CPU kernels branch on at run time: the binary ops (``COPY_LHS`` ... ``DOT``, and
-``ANY_OP`` for code generation), ``_CODE`` from an op's name to its code, the g-SpMM and g-SDDMM
-layouts (``M_*``, ``S_*``), and :func:`_bop`, an op applied to two scalars in njit code.
+"""The codes the CPU kernels branch on at run time besides the op codes of ``kernels/_scalar.py``:
+``ANY_OP`` (code generation only), the g-SpMM and g-SDDMM layouts (``M_*``, ``S_*``); and the
+CPU compilations of that module's scalar helpers, for njit code: :func:`_bop` (an op applied to
+two scalars) and :func:`_row` (an edge's operand row for a target code).
 
-Kernels in other modules compile this one's code in, and numba's disk cache does not see
-edits here: see the package docstring.
+Kernels in other modules compile this one's code (and ``kernels/_scalar.py``'s) in, and numba's
+disk cache does not see edits here: see the package docstring.
 """
 
 from __future__ import annotations
 
 from numba import njit
 
-COPY_LHS, COPY_RHS, ADD, SUB, MUL, DIV, DOT = range(7)
+from .. import _scalar
+
 ANY_OP = -1  # code generation only: a weight op chosen at run time, per edge (_IREdge.messages)
-_CODE = {"copy_lhs": COPY_LHS, "copy_rhs": COPY_RHS, "add": ADD, "sub": SUB, "mul": MUL,
-         "div": DIV, "dot": DOT}
 
 # gspmm layouts (how lhs/rhs rows line up with the output row)
 M_COPY_U = 0   # out row += u row
@@ -27,17 +27,5 @@ S_DOT = 2
 S_GENERIC = 3
 S_DOT_ROW = 4  # one dot product over the whole (contiguous) row
 
-
-@njit(inline="always")
-def _bop(op, a, b):
-    if op == ADD:
-        return a + b
-    if op == SUB:
-        return a - b
-    if op == MUL:
-        return a * b
-    if op == DIV:
-        return a / b
-    if op == COPY_RHS:
-        return b
-    return a
+_bop = njit(inline="always")(_scalar.bop)
+_row = njit(inline="always")(_scalar.row)

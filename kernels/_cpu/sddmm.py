@@ -5,18 +5,9 @@ from __future__ import annotations
 
 from numba import njit, prange
 
-from .codes import S_COPY, S_DOT, S_DOT_ROW, S_SAME, _bop
+from .codes import S_COPY, S_DOT, S_DOT_ROW, S_SAME, _bop, _row
 from .intrinsics import _prefetch_row
 from .tiles import _dot
-
-
-@njit(inline="always")
-def _row(target, s, v, eid):
-    if target == 0:
-        return s
-    if target == 1:
-        return v
-    return eid
 
 
 # reassoc lets LLVM vectorize the dot-product reduction (a fixed, compile-time order: results

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .codes import ADD, DIV, M_BLOCK_E, M_COPY_E, M_COPY_U, MUL, SUB, _bop
+from .._scalar import ADD, DIV, MUL, SUB
+from .codes import M_BLOCK_E, M_COPY_E, M_COPY_U, _bop
 from .intrinsics import _ctz, _fmax, _fmin, _prefetch_row, _select
 from .tiles import _tile_maxmin, _tile_mul_grad, _tile_sum
 

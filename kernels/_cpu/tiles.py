@@ -20,7 +20,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .codes import ADD, ANY_OP, DIV, MUL, SUB
+from .._scalar import ADD, DIV, MUL, SUB
+from .codes import ANY_OP
 from .intrinsics import _PREFETCH_NAME
 
 

@@ -177,3 +177,21 @@ def test_refuses_cpu_tensors_outside_the_simulator(monkeypatch):
     with pytest.raises(ValueError, match="backend 'numba_cuda' runs on CUDA tensors \\(got "
                                          "device cpu\\)"):
         kernels.gspmm(csr, "copy_u", "sum", u=torch.ones(6, 2), backend="numba_cuda")
+
+
+def test_scalar_helpers_are_shared_with_the_cpu_backend():
+    """The op codes and the scalar helpers come from kernels/_scalar.py: each helper is one Python
+    function, compiled by both backends (not a twin per backend)."""
+    from kernels import _numba_cpu, _scalar
+    from kernels._cpu import codes
+
+    for compiled, f in ((codes._bop, _scalar.bop), (codes._row, _scalar.row),
+                        (_numba_cuda._bop, _scalar.bop), (_numba_cuda._row, _scalar.row)):
+        assert compiled.py_func is f
+    for backend in (_numba_cpu, _numba_cuda):
+        assert backend._CODE is _scalar._CODE and backend._TARGET is _scalar._TARGET
+    # the plain functions agree with the op names (the kernels' results are checked elsewhere)
+    ops = {"copy_lhs": 2.0, "copy_rhs": 8.0, "add": 10.0, "sub": -6.0, "mul": 16.0, "div": 0.25}
+    for name, want in ops.items():
+        assert _scalar.bop(_scalar._CODE[name], 2.0, 8.0) == want
+    assert [_scalar.row(_scalar._TARGET[t], 5, 6, 7) for t in "uve"] == [5, 6, 7]
