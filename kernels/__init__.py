@@ -19,6 +19,14 @@ import sys as _sys
 # OMP_WAIT_POLICY=PASSIVE in the environment instead (the README says so).
 if "torch" not in _sys.modules:
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Transparent huge pages for torch's large CPU tensors (torch's own THP_MEM_ALLOC_ENABLE: tensors
+# of 2 MiB and more are 2 MiB-aligned and madvise(MADV_HUGEPAGE)d). A GNN epoch allocates many
+# [N, F] tensors from fresh pages, each page-faulted on first write: GCN on R-MAT 1M / 16M took
+# 820K page faults and 1.5-1.9 s of system time per epoch with 4 KiB pages, 12K faults and
+# 0.4-0.8 s with huge pages, for 0.06 GiB more peak RSS (benchmarks/README.md, e2e.py). torch
+# reads the variable at its first large allocation; set THP_MEM_ALLOC_ENABLE=0 to keep 4 KiB
+# pages. Without effect where the kernel's THP mode is "never".
+_os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from ._api import edge_softmax, gsddmm, gspmm  # noqa: E402
 from ._backend import set_default_backend, use_backend  # noqa: E402

@@ -38,6 +38,9 @@ import numpy as np
 import torch
 
 MIN_BYTES = 1 << 20  # smaller requests bypass the cache
+# new blocks get transparent huge pages when torch's tensors do (THP_MEM_ALLOC_ENABLE)
+_HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("THP_MEM_ALLOC_ENABLE", "0") \
+    not in ("", "0")
 _ENV = "NGRA_KERNEL_OUTPUT_CACHE"
 
 _NP_DTYPE = {torch.float32: np.float32, torch.float64: np.float64, torch.int32: np.int32,
@@ -152,6 +155,11 @@ class OutputCache:
             except OSError:  # out of address space or memory: the caller's allocator says so
                 self.clear()
                 return None
+            if _HUGE_PAGES:  # as torch's own large tensors (kernels/__init__.py)
+                try:
+                    mapping.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:  # a kernel without THP: 4 KiB pages
+                    pass
             block = np.frombuffer(mapping, dtype=np.uint8)
         arr = block[:nbytes].view(dtype).reshape(shape)
         # the last reference to arr (the tensor's storage, a view, ...) returns the block

@@ -251,3 +251,17 @@ def test_a_miss_releases_as_many_cached_bytes_as_it_maps(cache):
     s = cache.stats()
     assert s["cached_blocks"] == 1 and s["cached_bytes"] == MIN_BYTES  # the 1 MiB freed last stays
     del odd
+
+
+@pytest.mark.parametrize("preset", [None, "0"])
+def test_import_turns_on_torch_huge_pages_unless_the_user_chose(preset):
+    """``import kernels`` sets torch's THP_MEM_ALLOC_ENABLE (large CPU tensors on transparent huge
+    pages) only where the user has not set it; the output cache follows the same choice."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if preset is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = preset
+    code = ("import os, torch, kernels, kernels._outcache as o; "
+            "print(os.environ['THP_MEM_ALLOC_ENABLE'], o._HUGE_PAGES)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == (["1", "True"] if preset is None else ["0", "False"])
