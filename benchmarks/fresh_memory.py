@@ -19,7 +19,10 @@ Each child times:
   with the minor page faults per call (getrusage).
 
 Medians and best of ``--reps`` calls per child, ``--runs`` children per setting; only the
-ratios between settings in this one run mean anything on a shared machine.
+ratios between settings in this one run mean anything on a shared machine. The children inherit
+the page size: ``import ngra`` puts torch's large tensors and the cache's blocks on transparent
+huge pages (``THP_MEM_ALLOC_ENABLE=1``, one fault per 2 MiB); run with
+``THP_MEM_ALLOC_ENABLE=0`` for 4 KiB pages.
 
     .venv/bin/python benchmarks/fresh_memory.py
 """
