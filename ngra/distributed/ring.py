@@ -40,9 +40,6 @@ the transport's timeout (a dead or hung neighbour raises :class:`TransportError`
 
 from __future__ import annotations
 
-import datetime
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -64,17 +61,10 @@ class _Handle:
 
     def wait(self) -> torch.Tensor:
         ring = self.ring
-        start = time.perf_counter()
-        limit = datetime.timedelta(seconds=ring.transport.timeout)
-        try:
-            for w in self.works:
-                w.wait(limit)
-        except RuntimeError as e:
-            raise TransportError(
-                f"rank {ring.rank}: ring {self.what} failed waiting for neighbour rank "
-                f"{ring.prev} or {ring.next} (timeout {ring.transport.timeout:g} s): a worker "
-                f"died, hung, or did not run the same layers: {e}") from e
-        ring.stats["wait_s"] += time.perf_counter() - start
+        for w in self.works:
+            ring.stats["wait_s"] += ring.transport.wait_work(
+                w, f"ring {self.what} with neighbour ranks {ring.prev} and {ring.next}",
+                "a worker died, hung, or did not run the same layers")
         return self.recv
 
 

@@ -405,6 +405,22 @@ class Transport:
         for w in [*(w for _, w in sends), *recvs.values()]:
             w.wait(limit)
 
+    def wait_work(self, work, what: str, why: str) -> float:
+        """Wait for one asynchronous transfer (a ``torch.distributed`` work) at most the
+        timeout; returns the seconds waited. A transfer that fails or does not complete in time
+        is a :class:`TransportError`: "rank r: ``what`` failed within the timeout of T s:
+        ``why``"."""
+        start = time.perf_counter()
+        try:
+            ok = work.wait(datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as e:  # gloo reports a dead peer or a time-out as RuntimeError
+            raise TransportError(f"rank {self.rank}: {what} failed within the timeout of "
+                                 f"{self.timeout:g} s: {why} ({e})") from e
+        if ok is False:
+            raise TransportError(f"rank {self.rank}: {what} did not complete within the timeout "
+                                 f"of {self.timeout:g} s: {why}")
+        return time.perf_counter() - start
+
     def _post(self, recv: torch.Tensor, send: torch.Tensor, recv_counts: list,
               send_counts: list, order, what: str) -> tuple[dict, list]:
         """Gloo point-to-point rows of an exchange, posted and not waited for: this worker's own
@@ -685,21 +701,10 @@ class PendingPull:
         return not self._recvs and not self._sends
 
     def _wait(self, work, peer: int, what: str) -> None:
-        plan, t = self.plan, self.plan.transport
-        start = time.perf_counter()
-        try:
-            ok = work.wait(datetime.timedelta(seconds=t.timeout))
-        except RuntimeError as e:  # gloo reports a dead peer or a time-out as RuntimeError
-            raise TransportError(
-                f"rank {t.rank}: {what} peer {peer} (region {plan.region.name!r}) failed within "
-                f"the timeout of {t.timeout:g} s: peer {peer} died, hung, or did not make the "
-                f"same pull ({e})") from e
-        if ok is False:
-            raise TransportError(
-                f"rank {t.rank}: {what} peer {peer} (region {plan.region.name!r}) did not "
-                f"complete within the timeout of {t.timeout:g} s: peer {peer} died, hung, or "
-                "did not make the same pull")
-        waited = time.perf_counter() - start
+        plan = self.plan
+        waited = plan.transport.wait_work(
+            work, f"{what} peer {peer} (region {plan.region.name!r})",
+            f"peer {peer} died, hung, or did not make the same pull")
         self.waited_s += waited
         plan.stats["wait_s"] += waited
         plan.stats["pull_s"] += waited
