@@ -28,12 +28,12 @@ if "torch" not in _sys.modules:
 # pages. Without effect where the kernel's THP mode is "never".
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from ._api import edge_softmax, gsddmm, gspmm  # noqa: E402
+from ._api import edge_softmax, gsddmm, gspmm, gspmm_norm  # noqa: E402
 from ._backend import set_default_backend, use_backend  # noqa: E402
 from ._outcache import (empty_output_cache, no_output_cache, output_cache_limit,  # noqa: E402
                         output_cache_stats, set_output_cache_limit)
 from .csr import CSR  # noqa: E402
 
-__all__ = ["CSR", "gspmm", "gsddmm", "edge_softmax", "use_backend", "set_default_backend",
+__all__ = ["CSR", "gspmm", "gspmm_norm", "gsddmm", "edge_softmax", "use_backend", "set_default_backend",
            "set_output_cache_limit", "output_cache_limit", "output_cache_stats",
            "empty_output_cache", "no_output_cache"]

@@ -28,7 +28,7 @@ from ._ops import (
 )
 from .csr import CSR
 
-__all__ = ["gspmm", "gsddmm", "edge_softmax"]
+__all__ = ["gspmm", "gspmm_norm", "gsddmm", "edge_softmax"]
 
 _ROWS = {"u": ("num_src", "source vertex"), "v": ("num_dst", "destination vertex"),
          "e": ("num_edges", "edge")}
@@ -195,6 +195,96 @@ def _spmm_sum_grad_e(csr, mod, binop, g, u, e, fu, fe):
     if fo and fo[-1] > 1 and fu == fo and (not fe or fe[-1] == 1):
         return mod.sddmm(csr, "dot", u, "u", g, "v")
     return mod.sddmm(csr, "mul", u, "u", g, "v")
+
+
+def gspmm_norm(csr, x, src_scale, dst_scale, self_weight=None, bias=None, backend="auto"):
+    """Scaled sum aggregation with a self loop, GCN's normalized propagation, in one pass.
+
+    For every vertex v of a square graph (``csr.num_src == csr.num_dst``)::
+
+        out[v] = dst_scale[v] * (sum_{u -> v} src_scale[u] x[u]
+                                 + self_weight[v] src_scale[v] x[v]) + bias
+
+    which is ``D_dst (A + diag(self_weight)) D_src x + bias``; with ``src_scale = dst_scale =
+    deg^-1/2`` and ``self_weight = 1`` it is GCN's ``D^-1/2 (A + I) D^-1/2 x + b``. The same
+    value as ``gspmm(csr, "copy_u", "sum", u=src_scale * x)`` followed by the self-loop, scale
+    and bias terms, without the three [N, F] tensors in between (and without theirs in
+    backward: the gradient w.r.t. ``x`` is this op on the transposed graph with the two scales
+    swapped).
+
+    Args:
+        csr: :class:`kernels.CSR` (rows = destinations), square.
+        x: [N, *f] vertex features.
+        src_scale, dst_scale: [N] or [N, 1], constants (they get no gradient: a scale that
+            requires one is an error; compute such a model with gspmm).
+        self_weight: [N] or [N, 1] constant, or None for no self term.
+        bias: [*f] (may require grad), or None.
+        backend: as for :func:`gspmm`; the numba backend runs one fused kernel, the others the
+            unfused ops.
+
+    Returns:
+        [N, *f]; gradients flow to ``x`` and ``bias``.
+    """
+    _check_csr(csr)
+    if csr.num_src != csr.num_dst:
+        raise ValueError(f"gspmm_norm needs a square graph (sources are destinations): got "
+                         f"{csr.num_src} sources and {csr.num_dst} destinations; use gspmm for "
+                         f"bipartite graphs")
+    n = csr.num_src
+    check_tensor("x", x, n, "vertex", csr.device)
+    scales = {}
+    for name, t in (("src_scale", src_scale), ("dst_scale", dst_scale),
+                    ("self_weight", self_weight)):
+        if t is None:
+            if name != "self_weight":
+                raise ValueError(f"gspmm_norm: {name} is required (a tensor [N] or [N, 1])")
+            scales[name] = None
+            continue
+        check_tensor(name, t, n, "vertex", csr.device)
+        if t.numel() != n:
+            raise ValueError(f"gspmm_norm: {name} must hold one value per vertex, shape [{n}] or "
+                             f"[{n}, 1] (got {tuple(t.shape)})")
+        if t.requires_grad:
+            raise ValueError(f"gspmm_norm: {name} requires grad, but the scales are constants "
+                             f"here; detach it, or compute the layer with gspmm and vertex ops")
+        scales[name] = t.reshape(n, 1)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != tuple(x.shape[1:]):
+            raise ValueError(f"gspmm_norm: bias must be a tensor of shape {tuple(x.shape[1:])} "
+                             f"(x's row; got {getattr(bias, 'shape', type(bias).__name__)})")
+    check_same_dtype(x=x, bias=bias, **{k: v for k, v in scales.items() if v is not None})
+    mod = _backend.resolve(backend, csr.device, x.dtype)
+    s, c, a = scales["src_scale"], scales["dst_scale"], scales["self_weight"]
+    if not hasattr(mod, "spmm_norm"):  # the unfused ops, through autograd
+        sx = x * s.view((n,) + (1,) * (x.dim() - 1))
+        out = gspmm(csr, "copy_u", "sum", u=sx, backend=backend)
+        if a is not None:
+            out = torch.addcmul(out, a.view((n,) + (1,) * (x.dim() - 1)), sx)
+        out = out * c.view((n,) + (1,) * (x.dim() - 1))
+        return out + bias if bias is not None else out
+    return _GSpMMNorm.apply(csr, mod, x, s, a, c, bias)
+
+
+class _GSpMMNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, csr, mod, x, s, a, c, bias):
+        ctx.mod = mod
+        ctx.has_a = a is not None
+        _keep_csr(ctx, csr, s, a, c)
+        return mod.spmm_norm(csr, x, s, a, c, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        csr, (s, a, c) = _restore_csr(ctx)
+        g = grad_out.contiguous()
+        gx = gb = None
+        if ctx.needs_input_grad[2]:
+            # D_c (A + diag(a)) D_s transposed is D_s (A^T + diag(a)) D_c
+            gx = ctx.mod.spmm_norm(csr.transpose(), g, c, a if ctx.has_a else None, s, None)
+        if ctx.needs_input_grad[6]:
+            gb = g.sum(0)
+        return None, None, gx, None, None, None, gb
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ from ._cpu.codes import (M_BLOCK_E, M_COPY_E, M_COPY_U, M_GENERIC, S_COPY, S_DOT
                          S_GENERIC, S_SAME)
 from ._cpu.softmax import _edge_dst, _edge_softmax, _edge_softmax_backward
 from ._cpu.sddmm import _sddmm
-from ._cpu.spmm import _maxmin_grad_e, _maxmin_grad_u, _spmm_maxmin, _spmm_mul_grads, _spmm_sum
+from ._cpu.spmm import (_maxmin_grad_e, _maxmin_grad_u, _spmm_maxmin, _spmm_mul_grads, _spmm_norm,
+                        _spmm_sum)
 from ._ops import bcast_offsets, out_feat_shape
 from ._outcache import CACHE as _CACHE
 from ._scalar import _CODE, _TARGET
@@ -261,6 +262,29 @@ def spmm_mul_grads(csr, g, u, e):
     _launch(_spmm_mul_grads, parts, bptr, nblk, bind, beids, G, W, U, gu.numpy(), ge.numpy(),
             _prefetch_distance(row_bytes))
     return gu.reshape(u.shape), ge.reshape(e.shape)
+
+
+def spmm_norm(csr, x, s, a, c, b):
+    """``c * (gspmm(copy_u, sum, s * x) + a * s * x) + b`` in one pass (:func:`_spmm_norm`):
+    ``x`` [N, *f] on a square CSR, ``s``, ``c`` and ``a`` (or None) [N, 1], ``b`` [*f] or None,
+    all of x's dtype (checked by the caller). Returns [N, *f]."""
+    _check_dtype(x, s, a, c, b)
+    parts, _, _, _ = _arrays(csr)
+    lo = math.prod(x.shape[1:])
+    U = _flat(x, csr.num_src)
+    row_bytes = lo * U.itemsize
+    nblk = 1
+    if csr.blocking:
+        nblk = _block_count(csr.num_src, csr.num_dst, csr.num_edges, row_bytes, row_bytes,
+                            hot_src=lambda: _hot_sources(csr))
+    bptr, bind, _ = _blocked(csr, nblk)
+    none = np.zeros((0, 1), dtype=U.dtype)
+    out = _CACHE.empty((csr.num_dst, lo), x.dtype)
+    _launch(_spmm_norm, parts, bptr, nblk, bind, U, _flat(s, csr.num_src),
+            none if a is None else _flat(a, csr.num_src), _flat(c, csr.num_dst),
+            none[:, 0] if b is None else b.detach().reshape(lo).contiguous().numpy(),
+            out.numpy(), _EMPTY_OFF, _EMPTY_OFF, _prefetch_distance(row_bytes))
+    return out.reshape((csr.num_dst,) + tuple(x.shape[1:]))
 
 
 def _block_positions(csr, nblk):

@@ -1,7 +1,9 @@
 """g-SpMM kernels, forward and backward: sum/mean (:func:`_spmm_sum`) and max/min with the
 winning edges (:func:`_spmm_maxmin`), both in source blocks where the host asks; both gradients of
 u_mul_e/sum with one weight per edge in one pass over the transposed CSR
-(:func:`_spmm_mul_grads`); the max/min gradients w.r.t. the edge operand (:func:`_maxmin_grad_e`)
+(:func:`_spmm_mul_grads`); the scaled sum of GCN's normalized propagation, with its self loop,
+destination scale and bias in the same pass (:func:`_spmm_norm`, which is its own gradient on
+the transposed CSR); the max/min gradients w.r.t. the edge operand (:func:`_maxmin_grad_e`)
 and the source operand (:func:`_maxmin_grad_u`). The other gradients are g-SpMMs and g-SDDMMs
 themselves (``kernels/_api.py``)."""
 
@@ -103,6 +105,48 @@ def _spmm_sum(parts, indptr, bptr, nblk, indices, eids, U, W, out, op, mode, inn
             _spmm_sum_part(parts[p], parts[p + 1], base, blk == 0, mean and blk == nblk - 1, indptr,
                            bptr, indices, eids, U, W, out, op, mode, inner, loff, roff, tile, pf,
                            lo, lu, lw, uline, wops)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf):
+    """``out[v] = C[v] * (sum_{k: u -> v} S[u] U[u] + A[v] (S[v] U[v])) + B``: a g-SpMM whose
+    sources are scaled by ``S`` [N, 1] on the fly (each edge's row times its source's scale, in
+    the register tiles of u_mul_e with the weight read through the source index instead of the
+    edge id), with the destination's own scaled row (weight ``A`` [N, 1], or none if ``A`` is
+    empty), the destination scale ``C`` [N, 1] and the bias ``B`` [F] (none if empty) applied
+    to each row after its last block pass, while it is in cache. The graph is square (sources
+    are destinations). Blocks as in :func:`_spmm_sum`; each row summed by one thread in CSR
+    order, the terms rounded as ``S[u] * U[u]`` first: a copy_u g-SpMM of the pre-scaled rows
+    gives the same sums."""
+    lo = out.shape[1]
+    lu = U.shape[1]
+    uline = max(1, 64 // U.itemsize)
+    nd = out.shape[0]
+    has_a = A.shape[0] > 0
+    has_b = B.shape[0] > 0
+    for blk in range(nblk):
+        base = blk * nd
+        for p in prange(parts.size - 1):
+            r0 = parts[p]
+            r1 = parts[p + 1]
+            _spmm_sum_part(r0, r1, base, blk == 0, False, bptr, bptr, indices, indices, U, S, out,
+                           MUL, M_BLOCK_E, lo, loff, roff, True, pf, lo, lu, 1, uline, None)
+            if blk == nblk - 1:
+                for v in range(r0, r1):
+                    orow = out[v]
+                    urow = U[v]
+                    c = C[v, 0]
+                    if has_a:
+                        a = A[v, 0]
+                        s = S[v, 0]
+                        for f in range(lo):
+                            orow[f] = (orow[f] + a * (s * urow[f])) * c
+                    else:
+                        for f in range(lo):
+                            orow[f] = orow[f] * c
+                    if has_b:
+                        for f in range(lo):
+                            orow[f] = orow[f] + B[f]
 
 
 @njit(parallel=True, cache=True, nogil=True)

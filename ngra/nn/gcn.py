@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..graph import Graph
+from ..graph import Graph, _CSRGraph
 from ._utils import Conv, check_bool, check_edge_weight, check_features, check_graph, check_int, \
     glorot_, inv_or_zero
 
@@ -91,7 +91,50 @@ class GCNConv(Conv):
         return g, vdata, edata
 
     def forward(self, g: Graph, x: torch.Tensor, edge_weight: torch.Tensor | None = None):
+        if self._fusable(g, x, edge_weight):
+            return self._fused(g, x)
         return self.propagate(*self.prepare(g, x, edge_weight))
+
+    # -- the fused path -----------------------------------------------------------------------
+    def _fusable(self, g, x, edge_weight) -> bool:
+        """Whether this call can run as one ``kernels.gspmm_norm``: normalized, no edge weights
+        and no self-loop edges (so every loop weight is 1), an in-memory graph outside the
+        streaming engine and eager mode, float32/float64 features [N, F] on the CPU."""
+        if not (self.normalize and edge_weight is None and type(g) in (Graph, _CSRGraph)
+                and isinstance(x, torch.Tensor) and x.dim() == 2 and x.device.type == "cpu"
+                and x.dtype in (torch.float32, torch.float64)):
+            return False
+        from ..engine import current_engine
+        from ..program import _EAGER
+        if self.eager or getattr(_EAGER, "on", False) or current_engine() is not None:
+            return False
+        return g.self_loop_edges().numel() == 0
+
+    def _fused(self, g: Graph, x: torch.Tensor) -> torch.Tensor:
+        """The vertex program's value through ``kernels.gspmm_norm``: ``W x`` then, in one pass,
+        ``D^-1/2 (A + I) D^-1/2 (W x) + b``; backward is the same kernel on the transposed CSR.
+        The program path keeps three more [N, F] tensors per call (the scaled source rows, the
+        self-loop sum, the scaled sum) and as many in backward. Timed as a Gather node by
+        ``ngra.profile.stages()``."""
+        import kernels
+
+        from .. import profile
+        where = type(self).__name__
+        check_graph(where, g)
+        check_features(where, x, g, self.in_channels)
+        deg = g.in_degrees().to(x.dtype)
+        loop = None
+        if self.add_self_loops:
+            deg = deg + 1
+            loop = torch.ones(g.num_nodes, dtype=x.dtype)
+        dinv = inv_or_zero(deg, 0.5)
+        h = self.lin(x)
+
+        def run():
+            return kernels.gspmm_norm(g.in_csr(), h, dinv, dinv, loop, self.bias)
+
+        prof = profile.current()
+        return run() if prof is None else profile.timed(prof, self, _FUSED_NODE, run)
 
     # -- the vertex program -------------------------------------------------------------------
     def _source(self, v):
@@ -113,3 +156,13 @@ class GCNConv(Conv):
             return torch.addcmul(self.bias, out, v.data["dinv"]) if self.bias is not None \
                 else out * v.data["dinv"]
         return out + self.bias if self.bias is not None else out
+
+
+class _FusedNode:
+    """What ``ngra.profile`` records for the fused path (an IR node's fields)."""
+    name = op = "gspmm_norm"
+    stage = "Gather"
+    domain = "vertex"
+
+
+_FUSED_NODE = _FusedNode()

@@ -139,3 +139,55 @@ def test_bad_arguments():
         layer(g, torch.randn(17, 4), edge_weight=torch.rand(59))
     with pytest.raises(TypeError, match="edge_weight has dtype torch.float64"):
         layer(g, torch.randn(17, 4), edge_weight=torch.rand(60, dtype=torch.float64))
+
+
+# -- the one-kernel path (kernels.gspmm_norm) ----------------------------------------------------
+def _loop_free(name):
+    g = make_graph(name)
+    return g.remove_self_loops() if name == "random" else g
+
+
+@pytest.mark.parametrize("graph", ["empty", "isolated", "multi_edges", "star_in", "random"])
+@pytest.mark.parametrize("options", [{}, dict(add_self_loops=False), dict(bias=False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_kernel_path_matches_the_program(graph, options, dtype):
+    """On a graph without self-loop edges and without edge weights the layer runs one
+    gspmm_norm; its value and gradients are the compiled vertex program's."""
+    g = _loop_free(graph)
+    torch.manual_seed(0)
+    layer = GCNConv(4, 3, **options).to(dtype)
+    if layer.bias is not None:
+        torch.nn.init.normal_(layer.bias)
+    x = torch.randn(g.num_nodes, 4, dtype=dtype, requires_grad=True)
+    assert layer._fusable(g, x, None)
+    out = layer(g, x)
+    ref = layer.propagate(*layer.prepare(g, x))
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    wrt = [x, *layer.parameters()]
+    for got, want in zip(torch.autograd.grad(out, wrt, grad), torch.autograd.grad(ref, wrt, grad)):
+        torch.testing.assert_close(got, want)
+
+
+def test_one_kernel_path_only_where_it_is_the_same_layer():
+    g = _loop_free("random")
+    layer = GCNConv(4, 3)
+    x = torch.randn(g.num_nodes, 4)
+    assert layer._fusable(g, x, None)
+    assert not layer._fusable(g, x, torch.rand(g.num_edges))  # edge weights
+    assert not layer._fusable(make_graph("self_loops"), torch.randn(4, 4), None)  # loop edges
+    assert not GCNConv(4, 3, normalize=False)._fusable(g, x, None)
+    assert not layer._fusable(g, x.to(torch.bfloat16), None)
+    with ngra.eager():
+        assert not layer._fusable(g, x, None)
+    with ngra.Engine(num_chunks=2):
+        assert not layer._fusable(g, x, None)
+
+
+def test_one_kernel_path_is_profiled_as_gather():
+    g = _loop_free("random")
+    layer = GCNConv(4, 3)
+    with ngra.profile.stages() as prof:
+        layer(g, torch.randn(g.num_nodes, 4))
+    assert [(r.op, r.stage, r.shape) for r in prof.records] == [("gspmm_norm", "Gather",
+                                                                 (g.num_nodes, 3))]

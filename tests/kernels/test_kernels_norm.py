@@ -1,0 +1,100 @@
+"""kernels.gspmm_norm (GCN's normalized propagation in one pass) against the dense matrix
+``diag(c) (A + diag(a)) diag(s) x + b``, forward and gradients, on the numba backend (unblocked
+and in source blocks) and the torch backend's unfused ops; its errors."""
+
+import pytest
+import torch
+
+import kernels
+from kernels import _numba_cpu
+
+from kernels_testutil import GRAPH_IDS, GRAPHS, make_csr, rand
+
+SQUARE = [g for g in GRAPHS if not isinstance(g[3], tuple)]
+SQUARE_IDS = [g[0] for g in SQUARE]
+
+
+def dense_norm(graph, x, s, c, a, b):
+    """The op as dense matrix math: row v of A counts the edges u -> v."""
+    _, src, dst, n = graph
+    A = torch.zeros(n, n, dtype=x.dtype).index_put_((dst, src), torch.ones(src.numel(), dtype=x.dtype),
+                                                     accumulate=True)
+    if a is not None:
+        A = A + torch.diag(a.reshape(n))
+    M = c.reshape(n, 1) * A * s.reshape(1, n)
+    out = (M @ x.reshape(n, x[0].numel() if n else 1)).reshape(x.shape)
+    return out + b if b is not None else out
+
+
+def _inputs(n, feat, dtype, seed):
+    x = rand((n,) + feat, dtype, seed).requires_grad_()
+    s = rand((n,), dtype, seed + 1, positive=True)
+    c = rand((n, 1), dtype, seed + 2, positive=True)
+    a = rand((n,), dtype, seed + 3)
+    b = rand(feat, dtype, seed + 4).requires_grad_()
+    return x, s, c, a, b
+
+
+@pytest.mark.parametrize("graph", SQUARE, ids=SQUARE_IDS)
+@pytest.mark.parametrize("backend,nblk", [("numba", None), ("numba", 3), ("torch", None)])
+@pytest.mark.parametrize("feat", [(5,), (64,), (2, 3)])
+@pytest.mark.parametrize("terms", ["all", "no_self", "no_bias"])
+def test_matches_dense(monkeypatch, graph, backend, nblk, feat, terms):
+    monkeypatch.setattr(_numba_cpu, "_FORCE_BLOCKS", nblk)
+    n = graph[3]
+    dtype = torch.float64
+    x, s, c, a, b = _inputs(n, feat, dtype, 7)
+    if terms == "no_self":
+        a = None
+    if terms == "no_bias":
+        b = None
+    out = kernels.gspmm_norm(make_csr(graph), x, s, c, a, b, backend=backend)
+    ref = dense_norm(graph, x, s, c, a, b)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grad = rand(tuple(out.shape), dtype, 11)
+    wrt = [x] + ([b] if b is not None else [])
+    got = torch.autograd.grad(out, wrt, grad)
+    want = torch.autograd.grad(ref, wrt, grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_float32_same_bits_as_copy_u_of_scaled_rows(index_dtype):
+    """Each term is rounded as s[u] * x[u] before it is added, so the sums are those of a copy_u
+    g-SpMM of the pre-scaled rows, bit for bit (here without the self term and with c = 1)."""
+    graph = GRAPHS[GRAPH_IDS.index("random")]
+    csr = make_csr(graph, index_dtype)
+    n = graph[3]
+    x, s, _, _, _ = _inputs(n, (16,), torch.float32, 3)
+    ones = torch.ones(n, dtype=torch.float32)
+    out = kernels.gspmm_norm(csr, x.detach(), s, ones, None, None, backend="numba")
+    ref = kernels.gspmm(csr, "copy_u", "sum", u=x.detach() * s[:, None], backend="numba")
+    assert torch.equal(out, ref)
+
+
+def test_float32_close_to_float64():
+    graph = GRAPHS[GRAPH_IDS.index("random")]
+    x, s, c, a, b = _inputs(graph[3], (8,), torch.float64, 5)
+    want = dense_norm(graph, x, s, c, a, b)
+    got = kernels.gspmm_norm(make_csr(graph), *(t.detach().float() for t in (x, s, c, a, b)))
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_errors():
+    graph = GRAPHS[GRAPH_IDS.index("random")]
+    csr = make_csr(graph)
+    n = graph[3]
+    x, s, c, a, b = _inputs(n, (4,), torch.float64, 1)
+    with pytest.raises(ValueError, match="square graph"):
+        kernels.gspmm_norm(make_csr(GRAPHS[GRAPH_IDS.index("bipartite")]), x[:5], s[:5], c[:3])
+    with pytest.raises(ValueError, match="requires grad"):
+        kernels.gspmm_norm(csr, x, s.clone().requires_grad_(), c)
+    with pytest.raises(ValueError, match=r"one value per vertex"):
+        kernels.gspmm_norm(csr, x, s, c.expand(n, 2))
+    with pytest.raises(ValueError, match="dst_scale is required"):
+        kernels.gspmm_norm(csr, x, s, None)
+    with pytest.raises(ValueError, match=r"bias must be a tensor of shape \(4,\)"):
+        kernels.gspmm_norm(csr, x, s, c, a, b[:3])
+    with pytest.raises(TypeError, match="share one dtype"):
+        kernels.gspmm_norm(csr, x, s.float(), c)
