@@ -88,6 +88,96 @@ def dropout(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = No
     return _Dropout.apply(x, float(p), int(seed))
 
 
+# -- ReLU and dropout in one pass ----------------------------------------------------------------
+
+@njit(parallel=True, cache=True, nogil=True)
+def _relu_dropout_kernel(x, out, seed, threshold, scale):
+    """Returns how many elements of ``x`` are NaN."""
+    n = x.shape[0]
+    blocks = (n + _BLOCK - 1) // _BLOCK
+    zero = scale - scale  # +0 in x's type
+    nans = 0
+    for b in prange(blocks):
+        lo = b * _BLOCK
+        hi = min(n, lo + _BLOCK)
+        count = 0
+        for i in range(lo, hi):
+            v = x[i]
+            count += v != v
+            r = zero if v < 0 else v  # relu: +0 for negatives, NaN stays NaN, as torch's
+            out[i] = r * scale if _keep(seed, i, threshold) else r * 0.0
+        nans += count
+    return nans
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _relu_dropout_backward_kernel(g, out, gx, scale):
+    n = g.shape[0]
+    blocks = (n + _BLOCK - 1) // _BLOCK
+    zero = scale - scale
+    for b in prange(blocks):
+        lo = b * _BLOCK
+        hi = min(n, lo + _BLOCK)
+        for i in range(lo, hi):
+            gx[i] = g[i] * (scale if out[i] > 0 else zero)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _relu_dropout_backward_nan_kernel(g, out, gx, seed, threshold, scale):
+    """The backward where the input had NaNs: their gradients pass where the mask kept them."""
+    n = g.shape[0]
+    blocks = (n + _BLOCK - 1) // _BLOCK
+    for b in prange(blocks):
+        lo = b * _BLOCK
+        hi = min(n, lo + _BLOCK)
+        for i in range(lo, hi):
+            o = out[i]
+            if o > 0:
+                gx[i] = g[i] * scale
+            elif o == o:
+                gx[i] = g[i] * 0.0
+            else:  # a NaN input: relu passes its gradient, the mask decides
+                gx[i] = g[i] * scale if _keep(seed, i, threshold) else g[i] * 0.0
+
+
+class _ReluDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, p, seed):
+        xc = x.detach().contiguous()
+        out = _CACHE.empty(tuple(xc.shape), xc.dtype)
+        scale = _scalar(1.0 / (1.0 - p), xc.dtype)
+        nans = _relu_dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1),
+                                    np.uint64(seed), np.uint64(_threshold(p)), scale)
+        ctx.args = (np.uint64(seed), np.uint64(_threshold(p)), scale, nans > 0)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, = ctx.saved_tensors
+        g = grad.contiguous()
+        gx = _CACHE.empty(tuple(g.shape), g.dtype)
+        seed, threshold, scale, nans = ctx.args
+        G, O, GX = (t.numpy().reshape(-1) for t in (g, out, gx))
+        if nans:
+            _relu_dropout_backward_nan_kernel(G, O, GX, seed, threshold, scale)
+        else:
+            _relu_dropout_backward_kernel(G, O, GX, scale)
+        return gx, None, None
+
+
+def relu_dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """``dropout(relu(x), p, seed)`` in one pass over ``x`` (same mask, same values), and one in
+    backward: the gradient passes where the output is positive (the element was positive and
+    kept, or NaN and kept, as torch's relu passes a NaN input's gradient), scaled by ``1 / (1 -
+    p)``, and is ``grad * 0`` elsewhere. Against torch's relu then dropout this saves an [N, F]
+    tensor and a pass each way. Backward reads the output, which the next layer keeps anyway
+    (its input). The values are the two ops' except where the gradient itself is NaN or
+    infinite: ``grad * 0`` (NaN) at a non-positive input, where torch's relu gives 0. CPU,
+    float32/float64 (see :func:`supported`), ``0 < p < 1``."""
+    return _ReluDropout.apply(x, float(p), int(seed))
+
+
 # -- edge dropout: the IR's mask (ngra.executor.edge_dropout), rows named by edge ids -----------
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -38,6 +38,16 @@ def _dropout(x: torch.Tensor, p: float, training: bool, g=None) -> torch.Tensor:
     return _fast_dropout.dropout(x, p, seed, rows)
 
 
+def _act_dropout(x: torch.Tensor, activation: str, p: float, training: bool, g=None):
+    """``_dropout(act(x), p, training, g)``; for ReLU on the CPU path of ``_dropout`` one pass
+    each way (``kernels._dropout.relu_dropout``: same mask and values, no [N, F] tensor for the
+    activation's output and none for its gradient)."""
+    if (activation == "relu" and training and 0.0 < p < 1.0 and _fast_dropout.supported(x)
+            and getattr(g, "global_ids", None) is None):
+        return _fast_dropout.relu_dropout(x, p, int(torch.randint(0, 1 << 62, (1,)).item()))
+    return _dropout(_ACTIVATIONS[activation](x), p, training, g)
+
+
 _ACTIVATIONS = {"relu": F.relu, "elu": F.elu, "identity": lambda x: x}
 
 
@@ -67,14 +77,13 @@ class GNN(torch.nn.Module):
         return f"name={self.name!r}, dropout={self.dropout}, activation={self.activation!r}"
 
     def forward(self, g, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        act = _ACTIVATIONS[self.activation]
         if self.encoder is not None:
             x = self.encoder(_dropout(x, self.dropout, self.training, g))
-        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(g, _dropout(x, self.dropout, self.training, g), **kwargs)
-            if i < last:
-                x = act(x)
+            # the activation after a layer and the dropout before the next: one op for ReLU
+            x = _dropout(x, self.dropout, self.training, g) if i == 0 else \
+                _act_dropout(x, self.activation, self.dropout, self.training, g)
+            x = layer(g, x, **kwargs)
         if self.decoder is not None:
             x = self.decoder(_dropout(x, self.dropout, self.training, g))
         return x

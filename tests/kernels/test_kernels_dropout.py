@@ -52,3 +52,52 @@ def test_edge_dropout_by_row_saves_no_id_array():
     g = torch.randn(5000, 4)
     assert torch.equal(torch.autograd.grad(y, x, g)[0],
                        executor.edge_dropout(g.clone(), 0.4, 99, None, inplace=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_relu_dropout_is_dropout_of_relu(dtype):
+    """One pass of relu_dropout gives the values and gradients of relu then dropout with the same
+    seed, NaN and signed zero inputs included (torch's relu passes a NaN's gradient)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1000, 37, dtype=dtype, generator=gen)
+    x[0, :4] = torch.tensor([float("nan"), 0.0, -0.0, float("nan")], dtype=dtype)
+    x[1, :] = float("nan")  # some NaNs dropped, some kept
+    x.requires_grad_()
+    fused = _dropout.relu_dropout(x, 0.3, 99)
+    plain = _dropout.dropout(torch.relu(x), 0.3, 99)
+    assert torch.equal(torch.nan_to_num(fused, 7.0), torch.nan_to_num(plain, 7.0))
+    assert torch.equal(torch.isnan(fused), torch.isnan(plain))
+    g = torch.randn(x.shape, dtype=dtype, generator=gen)
+    got, = torch.autograd.grad(fused, x, g)
+    want, = torch.autograd.grad(plain, x, g)
+    assert torch.equal(got, want)
+
+
+def test_gnn_fuses_relu_and_dropout_between_layers(monkeypatch):
+    """ngra.nn.GNN's relu + dropout between layers is one relu_dropout call, and the model's
+    output and gradients are those of the two ops (same seeds drawn)."""
+    import ngra
+    from ngra.nn import build_model, models
+    gen = torch.Generator().manual_seed(0)
+    g = ngra.Graph(torch.randint(0, 50, (300,), generator=gen),
+                   torch.randint(0, 50, (300,), generator=gen), 50)
+    x = torch.randn(50, 6, generator=gen)
+    model = build_model("sage", 6, 8, 3, num_layers=3)
+    calls = []
+    real = _dropout.relu_dropout
+    monkeypatch.setattr(_dropout, "relu_dropout", lambda *a: calls.append(a) or real(*a))
+
+    def run():
+        torch.manual_seed(5)
+        out = model(g, x)
+        return out, torch.autograd.grad(out.square().sum(), list(model.parameters()))
+
+    out, grads = run()
+    assert len(calls) == 2  # between layers 1-2 and 2-3
+    monkeypatch.setattr(models, "_act_dropout", lambda x, a, p, t, g=None:
+                        models._dropout(models._ACTIVATIONS[a](x), p, t, g))
+    out2, grads2 = run()
+    assert len(calls) == 2
+    torch.testing.assert_close(out, out2)
+    for a, b in zip(grads, grads2):
+        torch.testing.assert_close(a, b)
