@@ -45,6 +45,10 @@ ngra`` sets) and glibc's default allocator settings.
   gradient (and a g-SDDMM for an edge-weight gradient). It counts neither element-wise dense work
   nor the optimizer: a floor, not a model.
 
+With ``--rounds R`` every (graph, model, framework) runs in R workers, the frameworks taking
+turns (in reverse order every other round); the table then gives each framework's median round
+(its peak RSS the largest of the rounds), and the ngra/other ratio of each round is printed.
+
 The table gives, per graph and model, each framework's epoch and phases, peak RSS and the ratios
 ngra/DGL (time, RSS), ngra/PyG (time) and ngra/roofline; ``e2e.csv`` under ``--out`` holds every
 figure. Timings on a shared 2-core machine are noisy: compare ratios of one run.
@@ -75,7 +79,7 @@ HIDDEN, GAT_HEADS, FEATURES, CLASSES = 64, 4, 128, 16
 GAT_HIDDEN = HIDDEN // GAT_HEADS
 SIZES = {"full": (1 << 20, 16 << 20), "quick": (1 << 16, 1 << 20), "tiny": (2000, 16000)}
 ITEM, IDX = 4, 4  # float32 features, int32 indices
-GRAPH_OPS = {"gspmm", "gsddmm", "edge_softmax", "gather", "scatter"}
+GRAPH_OPS = {"gspmm", "gsddmm", "edge_softmax", "gather", "scatter", "gspmm_norm"}
 
 
 # =================================================================================================
@@ -368,6 +372,9 @@ def main(argv=None):
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     ap.add_argument("--epochs", type=int, default=3, help="timed epochs per worker (best is reported)")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="workers per (graph, model, framework), the frameworks taking turns; the "
+                         "table gives each framework's median round and the ratios of each round")
     ap.add_argument("--datasets", default=str(ROOT.parent / "shared" / "datasets"))
     ap.add_argument("--dgl-python", default=str(ROOT / ".venv-dgl" / "bin" / "python"))
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
@@ -376,6 +383,8 @@ def main(argv=None):
     if args.worker:
         return worker(args.worker)
 
+    if args.rounds < 1 or args.epochs < 1:
+        ap.error(f"--rounds and --epochs must be at least 1 (got {args.rounds}, {args.epochs})")
     level = "tiny" if args.tiny else "quick" if args.quick else "full"
     graphs = (args.graphs or ("rmat" if args.tiny else "rmat,coauthor-cs")).split(",")
     models = args.models.split(",")
@@ -407,27 +416,41 @@ def main(argv=None):
         for name in models:
             roof = roofline(name, st["N"], st["E"], st["F"], st["C"])
             roof_s = roof["flops"] / rates["gemm_rate"] + roof["graph_bytes"] / rates["copy_rate"]
-            recs = {}
-            for fw in frameworks:
-                spec = {"framework": fw, "model": name, "data": str(work), "classes": st["C"],
-                        "epochs": args.epochs, "warmup": args.warmup}
-                python = args.dgl_python if fw == "dgl" else sys.executable
-                recs[fw] = run_worker(python, spec, work, args.timeout)
-                r = recs[fw]
-                rows.append(dict(graph=graph, N=st["N"], E=st["E"], model=name, framework=fw,
-                                 roofline_s=roof_s, gemm_flops=roof["flops"],
-                                 graph_bytes=roof["graph_bytes"], **rates,
-                                 **{k: v for k, v in r.items() if k != "epochs"}))
-                msg = r.get("error") or (f"epoch {_fmt_s(r['epoch'])} s (fwd dense {_fmt_s(r['fwd_dense'])}, "
-                                         f"fwd graph {_fmt_s(r['fwd_graph'])}, bwd {_fmt_s(r['backward'])}, "
-                                         f"opt {_fmt_s(r['optimizer'])}); peak RSS {_gib(r['peak_rss'])} GiB "
-                                         f"(loaded {_gib(r['loaded'])}, epoch peak +{_gib(r['epoch_peak'])}); "
-                                         f"loss {r['loss']:.4f}")
-                print(f"  {MODELS[name]:9s} {fw:4s}: {msg}", flush=True)
+            runs = {fw: [] for fw in frameworks}
+            for rnd in range(args.rounds):
+                # the frameworks take turns, in reverse order every other round, so that a
+                # slow spell of the machine does not fall on one of them only
+                for fw in (frameworks if rnd % 2 == 0 else frameworks[::-1]):
+                    spec = {"framework": fw, "model": name, "data": str(work), "classes": st["C"],
+                            "epochs": args.epochs, "warmup": args.warmup}
+                    python = args.dgl_python if fw == "dgl" else sys.executable
+                    r = run_worker(python, spec, work, args.timeout)
+                    runs[fw].append(r)
+                    rows.append(dict(graph=graph, N=st["N"], E=st["E"], model=name, framework=fw,
+                                     round=rnd, roofline_s=roof_s, gemm_flops=roof["flops"],
+                                     graph_bytes=roof["graph_bytes"], **rates,
+                                     **{k: v for k, v in r.items() if k != "epochs"}))
+                    msg = r.get("error") or (f"epoch {_fmt_s(r['epoch'])} s (fwd dense {_fmt_s(r['fwd_dense'])}, "
+                                             f"fwd graph {_fmt_s(r['fwd_graph'])}, bwd {_fmt_s(r['backward'])}, "
+                                             f"opt {_fmt_s(r['optimizer'])}); peak RSS {_gib(r['peak_rss'])} GiB "
+                                             f"(loaded {_gib(r['loaded'])}, epoch peak +{_gib(r['epoch_peak'])}); "
+                                             f"loss {r['loss']:.4f}")
+                    tag = f" r{rnd}" if args.rounds > 1 else ""
+                    print(f"  {MODELS[name]:9s} {fw:4s}{tag}: {msg}", flush=True)
+            recs = {fw: _median_run(rs) for fw, rs in runs.items()}
+            if args.rounds > 1 and "ngra" in runs:
+                for fw in frameworks:
+                    if fw != "ngra":
+                        per = [a["epoch"] / b["epoch"] for a, b in zip(runs["ngra"], runs[fw])
+                               if "error" not in a and "error" not in b]
+                        if per:
+                            print(f"  {MODELS[name]:9s} ngra/{fw} time per round: "
+                                  f"{', '.join(f'{v:.2f}' for v in per)} (median "
+                                  f"{float(np.median(per)):.2f})")
             _summary_row(graph, name, recs, roof_s)
     _table(rows)
     with open(out / "e2e.csv", "w", newline="") as f:
-        keys = ["graph", "N", "E", "model", "framework", "epoch", "fwd_dense", "fwd_graph", "backward",
+        keys = ["graph", "N", "E", "model", "framework", "round", "epoch", "fwd_dense", "fwd_graph", "backward",
                 "optimizer", "peak_rss", "loaded", "epoch_peak", "ru_maxrss", "loss", "roofline_s", "gemm_flops",
                 "graph_bytes", "gemm_rate", "copy_rate", "torch", "error"]
         w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(keys)), extrasaction="ignore")
@@ -436,6 +459,15 @@ def main(argv=None):
     print(f"\nwrote {out / 'e2e.csv'}")
     for fw, why in skipped.items():
         print(f"{fw} skipped: {why}")
+
+
+def _median_run(rs):
+    """Of one framework's rounds: the run with the median epoch (the lower middle one of an even
+    count), its peak RSS replaced by the largest of all rounds; an error if every round failed."""
+    ok = sorted((r for r in rs if "error" not in r), key=lambda r: r["epoch"])
+    if not ok:
+        return rs[0]
+    return dict(ok[(len(ok) - 1) // 2], peak_rss=max(r["peak_rss"] for r in ok))
 
 
 _SUMMARY = []
