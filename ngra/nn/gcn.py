@@ -34,7 +34,12 @@ class GCNConv(Conv):
 
     The message ``w_ji d_j^-1/2 (W x_j)`` compiles to one g-SpMM (``gspmm[copy_u, sum]``, or
     ``[u_mul_e, sum]`` when there are edge weights or self-loop edges to mask): ``W x`` and the
-    source normalization are vertex work before Scatter.
+    source normalization are vertex work before Scatter. Where nothing needs the program (an
+    in-memory graph without self-loop edges, no edge weights, outside ``ngra.Engine`` and
+    ``ngra.eager``, float features on the CPU), the layer instead runs ``W x`` and one
+    ``kernels.gspmm_norm``, which also applies the self loop, both normalizations and the bias
+    in the same pass, and is its own gradient on the transposed graph: the same values, without
+    the program's three [N, F] vertex tensors each way.
     """
 
     gather = "sum"
