@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._utils import Conv, check_bool, check_float
 
@@ -19,6 +20,12 @@ class GINConv(Conv):
     Matches ``torch_geometric.nn.GINConv`` (same ``nn``, same ``eps``). Keep ``nn`` free of
     batch statistics (BatchNorm) if the layer is to be streamed: ApplyVertex then runs one
     vertex interval at a time, and the statistics would be per interval.
+
+    When ``nn`` is a ``torch.nn.Sequential`` whose first module is a ``Linear`` that narrows
+    (``in_features > out_features``), its weight is applied before the sum, ``W ((1 + eps) x_i
+    + sum_j x_j) + b = (1 + eps) W x_i + sum_j W x_j + b``: the same value (up to rounding), with
+    the g-SpMM moving ``out_features``-wide rows (on Coauthor CS 64 instead of 6805). The
+    projection is written on ``e.src`` and lifted to the vertices, as SAGEConv's.
     """
 
     gather = "sum"
@@ -47,10 +54,29 @@ class GINConv(Conv):
     def _repr_args(self):
         return [f"nn={self.nn}", f"eps={self.initial_eps}", f"train_eps={self.train_eps}"]
 
+    @property
+    def _first_linear(self):
+        """``nn``'s first module when it is a narrowing Linear applied before the sum, else None."""
+        if isinstance(self.nn, torch.nn.Sequential) and len(self.nn) > 0:
+            first = self.nn[0]
+            if type(first) is torch.nn.Linear and first.in_features > first.out_features:
+                return first
+        return None
+
     def apply_edge(self, e):
-        return e.src["h"]
+        lin = self._first_linear
+        return e.src["h"] if lin is None else F.linear(e.src["h"], lin.weight)
 
     def apply_vertex(self, v, acc):
-        # acc + (1 + eps) h in one op: no [N, F] temporary for the product (on R-MAT 1M with
-        # 128 features, 512 MiB)
-        return self.nn(torch.addcmul(acc, 1 + self.eps, v.data["h"]))
+        lin = self._first_linear
+        if lin is None:
+            # acc + (1 + eps) h in one op: no [N, F] temporary for the product (on R-MAT 1M
+            # with 128 features, 512 MiB)
+            return self.nn(torch.addcmul(acc, 1 + self.eps, v.data["h"]))
+        # the same projection as apply_edge's: one vertex node after the compiler's CSE
+        z = torch.addcmul(acc, 1 + self.eps, F.linear(v.data["h"], lin.weight))
+        if lin.bias is not None:
+            z = z + lin.bias
+        for m in list(self.nn)[1:]:
+            z = m(z)
+        return z

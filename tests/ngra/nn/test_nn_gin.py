@@ -68,3 +68,48 @@ def test_bad_arguments():
         GINConv(torch.nn.Identity(), train_eps=None)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         GINConv(torch.nn.Identity())(make_graph("random"), [[1.0]])
+
+
+def _narrowing_mlp(dtype, bias=True):
+    return torch.nn.Sequential(torch.nn.Linear(12, 4, bias=bias), torch.nn.ReLU(),
+                               torch.nn.Linear(4, 3)).to(dtype)
+
+
+@pytest.mark.pyg
+@pytest.mark.parametrize("train_eps, graph, dtype", variant_cases([False, True]))
+@pytest.mark.parametrize("bias", [True, False])
+def test_narrowing_first_linear_matches_pyg(graph, dtype, train_eps, bias):
+    """With a narrowing first Linear the weight goes before the sum (4-wide g-SpMM instead of
+    12): still PyG's values and gradients."""
+    pytest.importorskip("torch_geometric")
+    from torch_geometric.nn import GINConv as PygGIN
+    g = make_graph(graph)
+    torch.manual_seed(0)
+    theirs = PygGIN(_narrowing_mlp(dtype, bias), eps=0.3, train_eps=train_eps).to(dtype)
+    ours = GINConv(_narrowing_mlp(dtype, bias), eps=0.3, train_eps=train_eps).to(dtype)
+    assert ours._first_linear is ours.nn[0]
+    mapping = {f"nn.{k}": f"nn.{k}" for k, _ in theirs.nn.named_parameters()}
+    if train_eps:
+        mapping["eps"] = "eps"
+    copy_weights(ours, theirs, mapping)
+    x = torch.randn(g.num_nodes, 12, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    ei = g.edge_index
+    assert_parity(ours, theirs, lambda x: ours(g, x), lambda x: theirs(x, ei), {"x": x}, mapping, dtype)
+
+
+def test_narrowing_first_linear_aggregates_the_projection():
+    g = make_graph("random")
+    layer = GINConv(_narrowing_mlp(torch.float32))
+    text = str(ngra.compile(layer, *layer.prepare(g, torch.randn(g.num_nodes, 12))).ir)
+    assert "gspmm[copy_u, sum](%linear)" in text and "vertex[N, 4] f32 = gspmm" in text
+    assert text.count("torch.linear(%h") == 1  # apply_edge's and apply_vertex's, one node
+    # not for a widening first Linear, nor for an nn that is not a Sequential
+    assert GINConv(_mlp(torch.float32))._first_linear is None
+    assert GINConv(torch.nn.Linear(12, 4))._first_linear is None
+
+
+@pytest.mark.parametrize("graph", FUSE_GRAPHS)
+def test_narrowing_fused_matches_unfused(graph):
+    g = make_graph(graph)
+    layer = GINConv(_narrowing_mlp(torch.float32), eps=-0.2, train_eps=True)
+    assert_fused_matches_unfused(layer, *layer.prepare(g, torch.randn(g.num_nodes, 12)))
