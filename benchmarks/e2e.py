@@ -310,7 +310,10 @@ def roofline(name, n, e, fin, c) -> dict:
         graph = _spmm(n, e, fin) + 2 * _spmm(n, e, h)
     elif name == "gin":
         flops = lin(fin, h, False) + lin(h, h) + lin(h, h) + lin(h, c)
-        graph = _spmm(n, e, fin) + 2 * _spmm(n, e, h)
+        # layer 2 aggregates h (64 wide) and its transpose in backward; layer 1 aggregates x
+        # (x needs no gradient) or, with its first Linear narrowing (ngra's GINConv applies it
+        # first), W x and its transpose in backward: the cheaper of the two algorithms
+        graph = min(_spmm(n, e, fin), 2 * _spmm(n, e, h)) + 2 * _spmm(n, e, h)
     else:  # gat: per layer u_add_v scores (H heads), edge softmax, u_mul_e g-SpMM; backward of each
         flops = lin(fin, h, False) + lin(h, c)
         graph = 0

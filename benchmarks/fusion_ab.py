@@ -1,0 +1,98 @@
+"""Training epochs with ngra's fused vertex work on and off, alternating in one process.
+
+    .venv/bin/python benchmarks/fusion_ab.py --model gcn            # R-MAT 1M / 16M (e2e.py's graph)
+    .venv/bin/python benchmarks/fusion_ab.py --model sage --scale 16 --edges 1000000
+
+Two fusions are switched together: GCNConv's one-kernel path (``kernels.gspmm_norm``: the self
+loop, both normalizations and the bias in the g-SpMM's pass, and its own gradient) and
+``ngra.nn.GNN``'s ReLU + dropout between layers (``kernels._dropout.relu_dropout``). "off" runs
+the compiled vertex program and ``dropout(relu(x))``: the same values and gradients.
+
+A whole-epoch comparison across processes on a shared machine swings by 20-40%; here the two
+settings take turns epoch by epoch (off/on, then on/off) in one process, on one graph, model
+and optimizer, after a warm-up epoch of each, and the medians of wall, user and system time per
+epoch are compared. System time is mostly the kernel zeroing fresh pages for new tensors, which
+the fusions allocate fewer of. Model: ``ngra.nn.build_model`` with e2e.py's widths (hidden 64,
+16 classes, 128 features), training mode, cross-entropy over every vertex and one Adam step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE.parent)]
+
+import ngra  # noqa: E402  (before torch: sets the OpenMP wait policy)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from ngra.nn import GCNConv, build_model, models  # noqa: E402
+
+
+def _plain_act_dropout(x, activation, p, training, g=None):
+    return models._dropout(models._ACTIVATIONS[activation](x), p, training, g)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gcn", choices=["gcn", "sage", "gin"])
+    ap.add_argument("--scale", type=int, default=20, help="R-MAT vertices = 2**scale")
+    ap.add_argument("--edges", type=int, default=16 << 20)
+    ap.add_argument("--rounds", type=int, default=8, help="timed (off, on) pairs")
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1 (got {args.rounds})")
+    g = ngra.datasets.rmat(num_nodes=1 << args.scale, num_edges=args.edges, seed=0).remove_self_loops()
+    n = g.num_nodes
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 128, generator=gen)
+    y = torch.randint(0, 16, (n,), generator=gen)
+    torch.manual_seed(0)
+    model = build_model(args.model, 128, 64, 16)
+    model.train()
+    g.in_csr()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    fused_gcn, fused_act = GCNConv._fusable, models._act_dropout
+
+    def setting(on: bool):
+        GCNConv._fusable = fused_gcn if on else (lambda *a: False)
+        models._act_dropout = fused_act if on else _plain_act_dropout
+
+    def epoch():
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(g, x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        return t1 - t0, r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
+
+    print(f"R-MAT N={n:,} E={g.num_edges:,}, {args.model}, {args.rounds} rounds")
+    res = {False: [], True: []}
+    try:
+        for on in (False, True):  # warm-up: JIT, caches
+            setting(on)
+            epoch()
+        for r in range(args.rounds):
+            for on in ((False, True) if r % 2 == 0 else (True, False)):
+                setting(on)
+                res[on].append(epoch())
+    finally:
+        setting(True)
+    med = {on: [statistics.median(e[i] for e in res[on]) for i in range(3)] for on in res}
+    for on in (False, True):
+        w, u, s = med[on]
+        print(f"fusions {'on ' if on else 'off'}: median epoch {w:.3f} s (user {u:.2f} s, system "
+              f"{s:.2f} s); epochs {' '.join(f'{e[0]:.2f}' for e in res[on])}")
+    print(f"on/off: wall {med[True][0] / med[False][0]:.2f}, user {med[True][1] / med[False][1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

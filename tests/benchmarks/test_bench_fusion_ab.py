@@ -1,0 +1,26 @@
+"""Smoke test of benchmarks/fusion_ab.py on a tiny R-MAT graph: both settings run and are
+reported; it checks the output, not speed."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_fusion_ab_tiny():
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fusion_ab.py"), "--model", "gcn",
+                          "--scale", "10", "--edges", "8000", "--rounds", "2"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for label in ("off", "on "):
+        m = re.search(rf"fusions {label}: median epoch ([0-9.]+) s .*epochs ([0-9. ]+)", res.stdout)
+        assert m and float(m.group(1)) > 0 and len(m.group(2).split()) == 2, res.stdout
+    assert "on/off: wall " in res.stdout
+
+
+def test_fusion_ab_rejects_no_rounds():
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fusion_ab.py"), "--rounds", "0"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 2 and "--rounds must be at least 1 (got 0)" in res.stderr
