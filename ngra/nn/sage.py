@@ -77,8 +77,9 @@ class SAGEConv(Conv):
 
     def apply_vertex(self, v, acc):
         if self._project_first:
-            left = acc + self.lin_l.bias if self.lin_l.bias is not None else acc
+            # the bias rides on W_r's GEMM (addmm): one [N, F] tensor and pass fewer than
+            # (acc + b) + W_r x
+            out = acc + F.linear(v.data["h"], self.lin_r.weight, self.lin_l.bias)
         else:
-            left = self.lin_l(acc)
-        out = left + self.lin_r(v.data["h"])
+            out = self.lin_l(acc) + self.lin_r(v.data["h"])
         return F.normalize(out, p=2.0, dim=-1) if self.normalize else out
