@@ -43,6 +43,9 @@ class GCNConv(Conv):
     """
 
     gather = "sum"
+    #: run the one-kernel path where it applies (see above); False always runs the compiled
+    #: program, e.g. to see its SAGA stages in ``ngra.profile.stages()``
+    fuse: bool = True
 
     def __init__(self, in_channels: int, out_channels: int, *, bias: bool = True,
                  add_self_loops: bool = True, normalize: bool = True):
@@ -102,10 +105,12 @@ class GCNConv(Conv):
 
     # -- the fused path -----------------------------------------------------------------------
     def _fusable(self, g, x, edge_weight) -> bool:
-        """Whether this call can run as one ``kernels.gspmm_norm``: normalized, no edge weights
-        and no self-loop edges (so every loop weight is 1), an in-memory graph outside the
-        streaming engine and eager mode, float32/float64 features [N, F] on the CPU."""
-        if not (self.normalize and edge_weight is None and type(g) in (Graph, _CSRGraph)
+        """Whether this call can run as one ``kernels.gspmm_norm``: ``fuse`` set, normalized, no
+        edge weights and no self-loop edges (so every loop weight is 1), an in-memory graph
+        outside the streaming engine and eager mode, float32/float64 features [N, F] on the
+        CPU."""
+        if not (self.fuse and self.normalize and edge_weight is None
+                and type(g) in (Graph, _CSRGraph)
                 and isinstance(x, torch.Tensor) and x.dim() == 2 and x.device.type == "cpu"
                 and x.dtype in (torch.float32, torch.float64)):
             return False

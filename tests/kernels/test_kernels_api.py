@@ -12,7 +12,7 @@ def small():
 
 
 def test_public_names():
-    assert set(kernels.__all__) == {"CSR", "gspmm", "gsddmm", "edge_softmax", "use_backend",
+    assert set(kernels.__all__) == {"CSR", "gspmm", "gspmm_norm", "gsddmm", "edge_softmax", "use_backend",
                                     "set_default_backend", "set_output_cache_limit",
                                     "output_cache_limit", "output_cache_stats",
                                     "empty_output_cache", "no_output_cache"}

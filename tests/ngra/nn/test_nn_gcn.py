@@ -191,3 +191,14 @@ def test_one_kernel_path_is_profiled_as_gather():
         layer(g, torch.randn(g.num_nodes, 4))
     assert [(r.op, r.stage, r.shape) for r in prof.records] == [("gspmm_norm", "Gather",
                                                                  (g.num_nodes, 3))]
+
+
+def test_fuse_false_runs_the_program():
+    g = _loop_free("random")
+    layer = GCNConv(4, 3)
+    layer.fuse = False
+    x = torch.randn(g.num_nodes, 4)
+    assert not layer._fusable(g, x, None)
+    with ngra.profile.stages() as prof:
+        layer(g, x)
+    assert "gspmm" in [r.op for r in prof.records]
