@@ -75,6 +75,15 @@ def _block_count(num_src, num_dst, num_edges, src_row_bytes, out_row_bytes, mode
     return _num_blocks(num_src, num_dst, num_edges, src_row_bytes, out_row_bytes, model, hot_src)
 
 
+def _gather_blocks(csr, src_row_bytes, out_row_bytes):
+    """Source blocks for a kernel gathering ``csr``'s source rows: 1 where the CSR is not to be
+    blocked, else :func:`_block_count`'s pick with the CSR's hot sources."""
+    if not csr.blocking:
+        return 1
+    return _block_count(csr.num_src, csr.num_dst, csr.num_edges, src_row_bytes, out_row_bytes,
+                        hot_src=lambda: _hot_sources(csr))
+
+
 def _blocked(csr, nblk):
     """``(bptr, indices, eids)`` of the CSR split into ``nblk`` source blocks (see _block_csr),
     cached on the CSR: E indices and edge ids plus nblk * num_dst pointers per block count."""
@@ -213,9 +222,8 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     wops = _wops(binop, tile and mode == M_BLOCK_E)
     if reduce in ("sum", "mean"):
         nblk = 1
-        if mode != M_COPY_E and csr.blocking:  # copy_e reads no source rows
-            nblk = _block_count(csr.num_src, csr.num_dst, csr.num_edges, U.shape[1] * U.itemsize,
-                                lo * out.element_size(), hot_src=lambda: _hot_sources(csr))
+        if mode != M_COPY_E:  # copy_e reads no source rows
+            nblk = _gather_blocks(csr, U.shape[1] * U.itemsize, lo * out.element_size())
         bptr, bind, beids = _blocked(csr, nblk)
         _launch(_spmm_sum, parts, indptr, bptr, nblk, bind, beids, U, W, out.numpy(), op, mode,
                 inner, loff, roff, tile, reduce == "mean", pf, wops)
@@ -223,9 +231,8 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     else:
         # the register-tile layouts run in source blocks (see _spmm_maxmin), the others unblocked
         nblk = 1
-        if tile and mode != M_COPY_E and csr.blocking:
-            nblk = _block_count(csr.num_src, csr.num_dst, csr.num_edges, U.shape[1] * U.itemsize,
-                                lo * out.element_size(), hot_src=lambda: _hot_sources(csr))
+        if tile and mode != M_COPY_E:
+            nblk = _gather_blocks(csr, U.shape[1] * U.itemsize, lo * out.element_size())
         bptr, bind, beids = _blocked(csr, nblk)
         # CSR positions fit int32 unless E does not; int32 keeps the compare-select loop at the
         # float32 lane count
@@ -252,10 +259,7 @@ def spmm_mul_grads(csr, g, u, e):
     lo = math.prod(u.shape[1:])
     G, U, W = _flat(g, csr.num_dst), _flat(u, csr.num_src), _flat(e, csr.num_edges)
     row_bytes = lo * G.itemsize
-    nblk = 1
-    if t.blocking:
-        nblk = _block_count(t.num_src, t.num_dst, t.num_edges, row_bytes, row_bytes,
-                            hot_src=lambda: _hot_sources(t))
+    nblk = _gather_blocks(t, row_bytes, row_bytes)
     bptr, bind, beids = _blocked(t, nblk)
     gu = _CACHE.empty((csr.num_src, lo), g.dtype)
     ge = _CACHE.empty((csr.num_edges, 1), g.dtype)
@@ -273,10 +277,7 @@ def spmm_norm(csr, x, s, a, c, b):
     lo = math.prod(x.shape[1:])
     U = _flat(x, csr.num_src)
     row_bytes = lo * U.itemsize
-    nblk = 1
-    if csr.blocking:
-        nblk = _block_count(csr.num_src, csr.num_dst, csr.num_edges, row_bytes, row_bytes,
-                            hot_src=lambda: _hot_sources(csr))
+    nblk = _gather_blocks(csr, row_bytes, row_bytes)
     bptr, bind, _ = _blocked(csr, nblk)
     none = np.zeros((0, 1), dtype=U.dtype)
     out = _CACHE.empty((csr.num_dst, lo), x.dtype)
@@ -338,10 +339,8 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
         tparts = _arrays(t)[0]
         # the gathered rows are G's (destinations are the transpose's sources); a row also reads
         # its won words, and writes its GU row once per block
-        nblk = _block_count(t.num_src, t.num_dst, t.num_edges,
-                            G.shape[1] * G.itemsize + won.shape[1] * won.itemsize,
-                            math.prod(fu) * g.element_size(),
-                            hot_src=lambda: _hot_sources(t)) if t.blocking else 1
+        nblk = _gather_blocks(t, G.shape[1] * G.itemsize + won.shape[1] * won.itemsize,
+                              math.prod(fu) * g.element_size())
         tbptr, tindices, teids = _blocked(t, nblk)
         gu = _CACHE.empty((csr.num_src, math.prod(fu)), g.dtype)
         inner = 0
