@@ -21,7 +21,9 @@ micro-batch's deltas on a device sum to 0, so the micro-batches a block type has
 started earlier in the period. For a fixed ``P`` this is linear; we try ``P`` upward from the
 lower bound ``max_d sum_{jq on d} d_j`` (each period runs every block type ``r`` times), so the
 first satisfiable ``P`` is the shortest period, then minimise the largest offset (a shallower
-repetend has a shorter warm-up and cool-down). Throughput is ``r / P`` micro-batches per time.
+repetend has a shorter warm-up and cool-down), then, of a few distinct repetends of that period
+and depth, keep the one whose unrolled schedule is shortest. Throughput is ``r / P``
+micro-batches per time.
 
 Phase 2 (:func:`tessel`): unroll the repetend over the ``m`` micro-batches (period ``i`` runs
 instance ``jq`` when its micro-batch exists), giving per-device orders; earliest starts compact the
@@ -31,6 +33,7 @@ periods keep the repetend's order) within a time limit, keeping the result only 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -233,8 +236,16 @@ def _template(problem: Problem):
 
 
 def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float = 10.0,
-                  max_depth: int | None = None) -> Repetend:
-    """The shortest-period repetend of ``instances`` micro-batches (module docstring)."""
+                  max_depth: int | None = None, candidates: int = 32) -> Repetend:
+    """The shortest-period repetend of ``instances`` micro-batches (module docstring).
+
+    Many repetends share the shortest period and the smallest depth, and their unrolled
+    schedules differ (3 stages under a memory limit: 30 or 33 time units for the same period);
+    which one z3 returns first depends on its search state. So up to ``candidates`` distinct
+    ones (per-device orders and offsets) are unrolled and the shortest kept, the first found on
+    a tie. ``candidates=1`` takes z3's first."""
+    if candidates < 1:
+        raise ValueError(f"candidates must be at least 1 (got {candidates!r})")
     z3 = _z3()
     _int_durations(problem)
     p = problem
@@ -274,6 +285,7 @@ def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float = 10
                 solver.add(o[(tname, q)] * period + t[(tname, q)]
                            <= o[(tname, q + 1)] * period + t[(tname, q + 1)])
         before = {}
+        order_vars = []
         for d in range(p.n_devices):
             on = [k for k in keys if d in blk[k[0]].devices]
             for i, a in enumerate(on):
@@ -287,6 +299,7 @@ def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float = 10
                         solver.add(z3.Implies(z3.Not(v), z3.And(t[b] + db <= t[a],
                                                                 t[a] + da <= t[b] + period)))
                         before[a, b], before[b, a] = v, z3.Not(v)
+                        order_vars.append(v)
             if p.memory_limit is not None:
                 m0 = z3.RealVal(p.base_memory[d]) - z3.Sum(
                     [z3.ToReal(o[k]) * blk[k[0]].memory for k in on] or [z3.RealVal(0)])
@@ -301,7 +314,7 @@ def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float = 10
         if res == z3.unknown:
             raise TimeoutError(f"the solver gave up at period {period} within {timeout_s:g} s; "
                                f"expected a larger timeout_s")
-        return (solver, o, t) if res == z3.sat else None
+        return (solver, o, t, order_vars) if res == z3.sat else None
 
     # Feasibility is monotone in the period (a longer period keeps every constraint: offsets
     # only grow dependencies' slack, and the modular non-overlap keeps its gaps), so bisect:
@@ -323,7 +336,7 @@ def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float = 10
             else:
                 hi, found = mid, got
         period = hi
-    solver, o, t = found
+    solver, o, t, order_vars = found
     # Shallowest repetend at this period: lower the largest offset while satisfiable.
     model = solver.model()
     while True:
@@ -339,18 +352,41 @@ def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float = 10
             break
         model = solver.model()
         solver.pop()
-    off = {k: model.eval(o[k]).as_long() for k in keys}
-    tim = {k: model.eval(t[k]).as_long() for k in keys}
-    peaks = []
-    for d in range(p.n_devices):
-        on = sorted((k for k in keys if d in blk[k[0]].devices), key=lambda k: tim[k])
-        run = p.base_memory[d] - sum(off[k] * blk[k[0]].memory for k in on)
-        peak = run
-        for k in on:
-            run += blk[k[0]].memory
-            peak = max(peak, run)
-        peaks.append(peak)
-    return Repetend(period, r, off, tim, tuple(peaks), time.monotonic() - t0)
+
+    def repetend(model):
+        off = {k: model.eval(o[k]).as_long() for k in keys}
+        tim = {k: model.eval(t[k]).as_long() for k in keys}
+        peaks = []
+        for d in range(p.n_devices):
+            on = sorted((k for k in keys if d in blk[k[0]].devices), key=lambda k: tim[k])
+            run = p.base_memory[d] - sum(off[k] * blk[k[0]].memory for k in on)
+            peak = run
+            for k in on:
+                run += blk[k[0]].memory
+                peak = max(peak, run)
+            peaks.append(peak)
+        return Repetend(period, r, off, tim, tuple(peaks), time.monotonic() - t0)
+
+    # Among the repetends of this period and depth, the one whose unrolled schedule is shortest:
+    # each further candidate differs from all before it in an offset or a device's order.
+    best = repetend(model)
+    best_span = unroll(p, best).makespan
+    solver.add(z3.And([o[k] <= best.depth for k in keys]))
+    for _ in range(candidates - 1):
+        left = timeout_s - (time.monotonic() - t0)
+        if left <= 0.01:
+            break
+        solver.add(z3.Or([o[k] != model.eval(o[k]) for k in keys]
+                         + [v != model.eval(v, model_completion=True) for v in order_vars]))
+        solver.set("timeout", max(1, int(left * 1000)))
+        if solver.check() != z3.sat:
+            break
+        model = solver.model()
+        rep = repetend(model)
+        span = unroll(p, rep).makespan
+        if span < best_span:
+            best, best_span = rep, span
+    return dataclasses.replace(best, seconds=time.monotonic() - t0)
 
 
 def unroll(problem: Problem, rep: Repetend) -> Schedule:
