@@ -20,7 +20,6 @@ from ._outcache import CACHE as _CACHE
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
-_BLOCK = 1 << 14  # elements per parallel task
 
 
 @njit(inline="always")
@@ -32,15 +31,16 @@ def _keep(seed, i, threshold):
     return (z >> np.uint64(40)) < threshold
 
 
+# The kernels are flat ``prange`` loops over the elements: numba then vectorizes the hash (AVX-512
+# has 64-bit multiplies) and the selects. Written as a prange over blocks of 2**14 elements
+# with an inner ``range(lo, hi)``, they did not vectorize and took 3-5x as long (dropout of
+# [1M, 64] floats: 94 against 18 ms; torch's ``x * 2``: 19 ms).
+
 @njit(parallel=True, cache=True, nogil=True)
 def _dropout_kernel(x, out, seed, threshold, scale):
-    n = x.shape[0]
-    blocks = (n + _BLOCK - 1) // _BLOCK
-    for b in prange(blocks):
-        lo = b * _BLOCK
-        hi = min(n, lo + _BLOCK)
-        for i in range(lo, hi):
-            out[i] = x[i] * scale if _keep(seed, i, threshold) else x[i] * 0.0  # 0 * nan = nan, as torch
+    zero = scale - scale  # +0 in x's type
+    for i in prange(x.shape[0]):
+        out[i] = x[i] * (scale if _keep(seed, i, threshold) else zero)  # 0 * nan = nan, as torch
 
 
 def _scalar(v: float, dtype: torch.dtype):
@@ -93,51 +93,33 @@ def dropout(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = No
 @njit(parallel=True, cache=True, nogil=True)
 def _relu_dropout_kernel(x, out, seed, threshold, scale):
     """Returns how many elements of ``x`` are NaN."""
-    n = x.shape[0]
-    blocks = (n + _BLOCK - 1) // _BLOCK
     zero = scale - scale  # +0 in x's type
     nans = 0
-    for b in prange(blocks):
-        lo = b * _BLOCK
-        hi = min(n, lo + _BLOCK)
-        count = 0
-        for i in range(lo, hi):
-            v = x[i]
-            count += v != v
-            r = zero if v < 0 else v  # relu: +0 for negatives, NaN stays NaN, as torch's
-            out[i] = r * scale if _keep(seed, i, threshold) else r * 0.0
-        nans += count
+    for i in prange(x.shape[0]):
+        v = x[i]
+        nans += v != v
+        r = zero if v < 0 else v  # relu: +0 for negatives, NaN stays NaN, as torch's
+        out[i] = r * (scale if _keep(seed, i, threshold) else zero)
     return nans
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _relu_dropout_backward_kernel(g, out, gx, scale):
-    n = g.shape[0]
-    blocks = (n + _BLOCK - 1) // _BLOCK
     zero = scale - scale
-    for b in prange(blocks):
-        lo = b * _BLOCK
-        hi = min(n, lo + _BLOCK)
-        for i in range(lo, hi):
-            gx[i] = g[i] * (scale if out[i] > 0 else zero)
+    for i in prange(g.shape[0]):
+        gx[i] = g[i] * (scale if out[i] > 0 else zero)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _relu_dropout_backward_nan_kernel(g, out, gx, seed, threshold, scale):
     """The backward where the input had NaNs: their gradients pass where the mask kept them."""
-    n = g.shape[0]
-    blocks = (n + _BLOCK - 1) // _BLOCK
-    for b in prange(blocks):
-        lo = b * _BLOCK
-        hi = min(n, lo + _BLOCK)
-        for i in range(lo, hi):
-            o = out[i]
-            if o > 0:
-                gx[i] = g[i] * scale
-            elif o == o:
-                gx[i] = g[i] * 0.0
-            else:  # a NaN input: relu passes its gradient, the mask decides
-                gx[i] = g[i] * scale if _keep(seed, i, threshold) else g[i] * 0.0
+    zero = scale - scale
+    for i in prange(g.shape[0]):
+        o = out[i]
+        # o > 0: kept and positive; o == o (not NaN) and not > 0: dropped or non-positive; a
+        # NaN output is a NaN input: relu passes its gradient, the mask decides
+        keep = o > 0 or (o != o and _keep(seed, i, threshold))
+        gx[i] = g[i] * (scale if keep else zero)
 
 
 class _ReluDropout(torch.autograd.Function):
@@ -181,27 +163,26 @@ def relu_dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
 # -- edge dropout: the IR's mask (ngra.executor.edge_dropout), rows named by edge ids -----------
 
 @njit(parallel=True, cache=True, nogil=True)
-def _edge_dropout_kernel(x, out, ids, by_row, state, threshold, scale):
+def _edge_dropout_kernel(x, out, ids, state, threshold, scale):
     rows, width = x.shape
+    zero = scale - scale
     for r in prange(rows):
-        base = (np.uint64(r) if by_row else np.uint64(ids[r])) * np.uint64(width)
+        base = np.uint64(ids[r]) * np.uint64(width)
         for j in range(width):
-            if _keep(state, base + np.uint64(j), threshold):
-                out[r, j] = x[r, j] * scale
-            else:
-                out[r, j] = x[r, j] * 0.0
-
-
-_NO_IDS = np.zeros(0, dtype=np.int64)
+            out[r, j] = x[r, j] * (scale if _keep(state, base + np.uint64(j), threshold) else zero)
 
 
 def _edge_apply(x: torch.Tensor, ids: torch.Tensor | None, state: int, threshold: int,
                 scale: float) -> torch.Tensor:
     xc = x.detach().contiguous()
     out = _CACHE.empty(tuple(xc.shape), xc.dtype)
+    if ids is None:  # element j of row r is element r * width + j of the flat tensor
+        _dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), np.uint64(state),
+                        np.uint64(threshold), _scalar(scale, xc.dtype))
+        return out
     rows = xc.shape[0]
     _edge_dropout_kernel(xc.numpy().reshape(rows, -1), out.numpy().reshape(rows, -1),
-                         _NO_IDS if ids is None else ids.numpy(), ids is None, np.uint64(state),
+                         ids.numpy(), np.uint64(state),
                          np.uint64(threshold), _scalar(scale, xc.dtype))
     return out
 
