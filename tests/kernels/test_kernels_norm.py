@@ -2,6 +2,8 @@
 ``diag(c) (A + diag(a)) diag(s) x + b``, forward and gradients, on the numba backend (unblocked
 and in source blocks) and the torch backend's unfused ops; its errors."""
 
+import math
+
 import pytest
 import torch
 
@@ -98,3 +100,27 @@ def test_errors():
         kernels.gspmm_norm(csr, x, s, c, a, b[:3])
     with pytest.raises(TypeError, match="share one dtype"):
         kernels.gspmm_norm(csr, x, s.float(), c)
+
+
+@pytest.mark.parametrize("graph", SQUARE, ids=SQUARE_IDS)
+@pytest.mark.parametrize("nblk", [None, 3])
+@pytest.mark.parametrize("feat", [(5,), (2, 3)])
+def test_mean_input_gradient_in_one_pass(monkeypatch, graph, nblk, feat):
+    """The mean g-SpMM's input gradient, sum_{u -> v} g[v] / deg[v], runs as one spmm_norm over
+    the transposed CSR (1 / deg per edge, no scaled gradient copy): equal to the dense
+    ``A^T diag(1 / max(deg, 1)) g``."""
+    monkeypatch.setattr(_numba_cpu, "_FORCE_BLOCKS", nblk)
+    calls = []
+    real = _numba_cpu.spmm_norm
+    monkeypatch.setattr(_numba_cpu, "spmm_norm", lambda *a: calls.append(a) or real(*a))
+    _, src, dst, n = graph
+    x = rand((n,) + feat, torch.float64, 3).requires_grad_()
+    out = kernels.gspmm(make_csr(graph), "copy_u", "mean", u=x, backend="numba")
+    g = rand(tuple(out.shape), torch.float64, 4)
+    got, = torch.autograd.grad(out, x, g)
+    A = torch.zeros(n, n, dtype=x.dtype).index_put_((dst, src), torch.ones(src.numel(), dtype=x.dtype),
+                                                     accumulate=True)
+    deg = A.sum(1).clamp(min=1)
+    want = (A.t() @ (g.reshape(n, math.prod(feat)) / deg.reshape(n, 1))).reshape(x.shape)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert len(calls) == 1
