@@ -206,8 +206,8 @@ def edge_dropout(x: torch.Tensor, ids: torch.Tensor | None, state: int, threshol
     ``splitmix64(state + (ids[r] * width + j) * golden)`` are below ``threshold`` (``width`` the
     elements per row): the mask of ``ngra.executor.edge_dropout``, computed per element in
     parallel instead of through int64 temporaries of x's size, and recomputed in backward.
-    ``state`` is the mixed seed as an unsigned 64-bit int; ``ids`` int64 [R], non-negative, or
-    None for ``ids[r] = r`` (no id array is made or saved)."""
+    ``state`` is the mixed seed as an unsigned 64-bit int; ``ids`` int32 or int64 [R],
+    non-negative, or None for ``ids[r] = r`` (no id array is made or saved)."""
     return _EdgeDropout.apply(x, None if ids is None else ids.contiguous(), int(state),
                               int(threshold), float(scale))
 

@@ -178,15 +178,18 @@ def edge_dropout(x: torch.Tensor, p: float, seed: int, edge_ids: torch.Tensor | 
     if p == 1:
         return x.mul_(0) if inplace else x * 0
     row = math.prod(x.shape[1:])
-    ids = None if edge_ids is None else edge_ids.to(device=x.device, dtype=torch.int64)
     state = _to_int64(int(_splitmix64(torch.tensor(seed, dtype=torch.int64)).item()))
     threshold = _dropout_kernel._threshold(p)
-    if not inplace and _dropout_kernel.supported(x):
+    if not inplace and _dropout_kernel.supported(x) and (
+            edge_ids is None or edge_ids.dtype in (torch.int32, torch.int64)):
+        # int32 ids (a CSR's) go in as they are: no int64 copy of E x 8 bytes kept for backward
+        ids = None if edge_ids is None else edge_ids.to(device=x.device)
         # The same mask, per element in parallel: the torch form below makes int64 temporaries
         # of x's size (0.5 GiB each for GAT's 16M x 4 attention) and took most of GAT's epoch.
         # Rows 0..R-1 go in as None: no [R] int64 id array made and saved for backward.
         scale = torch.ones((), dtype=x.dtype).div_(1.0 - p).item()  # the kept value, as below
         return _dropout_kernel.edge_dropout(x, ids, state & ((1 << 64) - 1), threshold, scale)
+    ids = None if edge_ids is None else edge_ids.to(device=x.device, dtype=torch.int64)
     if ids is None:
         ids = torch.arange(x.shape[0], device=x.device)
     key = ids.reshape(-1, 1) * row + torch.arange(row, device=x.device)

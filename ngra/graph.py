@@ -131,14 +131,28 @@ class Graph:
         """Edges grouped by source (row u = out-edges of u, column = destination), cached."""
         return self.in_csr().transpose()
 
-    def _held_as_csr(self) -> "Graph":
+    def _held_as_csr(self, *, csr_order: bool = False) -> "Graph":
         """The same graph holding its edges as its in-CSR alone: ``src`` / ``dst`` (E x 16
         bytes) are rebuilt from the CSR when first asked for (``CSR.coo()``, equal values).
         For graphs ngra derives for its own use (GAT's graph with self loops), of which a
-        training run reads the CSR, ``num_edges`` and ``device`` only."""
-        g = _CSRGraph.__new__(_CSRGraph)
-        g._num_nodes, g._in_csr = self._num_nodes, self.in_csr()
-        g._loop_eids = getattr(self, "_loop_eids", None)
+        training run reads the CSR, ``num_edges`` and ``device`` only.
+
+        ``csr_order=True`` renumbers the edges in CSR order (grouped by destination, edge k at
+        CSR position k; the same edges, each keeping its relative order within its
+        destination): for graphs whose edge order nobody outside sees, so that edge tensors
+        are laid out as the kernels walk them."""
+        csr = self.in_csr()
+        if csr_order:
+            g = _CSROrderGraph.__new__(_CSROrderGraph)
+            g.edge_ids = csr.eids
+            csr = CSR(csr.indptr, csr.indices,
+                      torch.arange(csr.num_edges, dtype=csr.eids.dtype, device=csr.device),
+                      csr.num_src, csr.num_dst, check=False)
+            g._loop_eids = None
+        else:
+            g = _CSRGraph.__new__(_CSRGraph)
+            g._loop_eids = getattr(self, "_loop_eids", None)
+        g._num_nodes, g._in_csr = self._num_nodes, csr
         return g
 
     # -- transformations --------------------------------------------------------------------
@@ -328,6 +342,15 @@ class _CSRGraph(Graph):
 
     def __reduce__(self):  # pickled and copied as the plain Graph it equals
         return Graph._trusted, (self.src, self.dst, self._num_nodes)
+
+
+class _CSROrderGraph(_CSRGraph):
+    """A :class:`_CSRGraph` whose edges are numbered in CSR order (``_held_as_csr(csr_order=
+    True)``): ``edge_ids`` [E] (the CSR's index dtype) gives each edge's id in the graph it was
+    derived from, as a distributed piece's ``edge_ids`` do, so that edge dropout draws the same
+    mask per edge as on that graph."""
+
+    __slots__ = ("edge_ids",)
 
 
 # -- validation helpers ---------------------------------------------------------------------

@@ -267,7 +267,13 @@ class Program:
             vdata, edata = check_inputs(self.layer, g, vdata, edata)
         # A worker's piece of a distributed graph brings its own ops (halo exchange).
         make_ops = getattr(g, "graph_ops", None)
-        ops = make_ops(backend, self) if make_ops is not None else GraphOps(g.in_csr(), backend)
+        if make_ops is not None:
+            ops = make_ops(backend, self)
+        else:
+            ops = GraphOps(g.in_csr(), backend)
+            # a graph renumbered in CSR order names its edges' ids in the graph it came from
+            # (edge dropout's masks follow them; see Graph._held_as_csr)
+            ops.edge_ids = getattr(g, "edge_ids", None)
         if self.eager:
             prof = profile.current()
             if prof is not None:

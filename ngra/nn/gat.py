@@ -15,8 +15,12 @@ __all__ = ["GATConv"]
 def _with_self_loops(g: Graph) -> Graph:
     h = g.remove_self_loops().add_self_loops()
     # The layer reads only its CSR: its int64 edge lists are not kept (E x 16 bytes, from the
-    # first call on; 272 MiB on R-MAT 1M / 16M), and come back from the CSR if asked for.
-    return h._held_as_csr() if type(h) is Graph else h
+    # first call on; 272 MiB on R-MAT 1M / 16M), and come back from the CSR if asked for. Its
+    # edges are numbered in CSR order (edge k = CSR position k): nothing outside the layer sees
+    # this graph's edge order, and the layer's per-edge tensors (scores, attention) are then
+    # written and read in order rather than at random edge ids (on R-MAT 1M / 16M, 4 heads:
+    # the score g-SDDMM 470 -> 220 ms, the edge softmax 310 -> 210 ms).
+    return h._held_as_csr(csr_order=True) if type(h) is Graph else h
 
 
 class GATConv(Conv):

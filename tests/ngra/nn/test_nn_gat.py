@@ -179,7 +179,14 @@ def test_layers_share_the_graph_with_self_loops():
     shared = first._derived("self_loops", g, None)  # a hit: make is not called
     assert second._derived("self_loops", g, None) is shared
     assert shared.in_csr()._coo is None  # held as its CSR: no int64 edge lists after a step
-    assert torch.equal(shared.src, g.remove_self_loops().add_self_loops().src)
+    # its edges numbered in CSR order (grouped by destination); edge_ids names each one's id in
+    # the plain graph with self loops, whose edge dropout masks it keeps
+    plain = g.remove_self_loops().add_self_loops()
+    ids = shared.edge_ids.long()
+    assert torch.equal(torch.sort(ids).values, torch.arange(plain.num_edges))
+    assert torch.equal(shared.src, plain.src[ids]) and torch.equal(shared.dst, plain.dst[ids])
+    assert torch.all(shared.dst[1:] >= shared.dst[:-1])
+    assert torch.equal(shared.in_csr().eids.long(), torch.arange(plain.num_edges))
     alone = ngra.nn.build_model("gat", 5, 3, 2, heads=2)
     alone.load_state_dict(model.state_dict())
     for layer in alone.layers:  # a private plain copy per layer, as before: the same output
