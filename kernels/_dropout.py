@@ -172,17 +172,22 @@ def _edge_dropout_kernel(x, out, ids, state, threshold, scale):
             out[r, j] = x[r, j] * (scale if _keep(state, base + np.uint64(j), threshold) else zero)
 
 
+def _u64(v: int):
+    """``v`` (a signed or unsigned 64-bit value) as numpy's uint64, two's complement."""
+    return np.uint64(v & 0xFFFF_FFFF_FFFF_FFFF)
+
+
 def _edge_apply(x: torch.Tensor, ids: torch.Tensor | None, state: int, threshold: int,
                 scale: float) -> torch.Tensor:
     xc = x.detach().contiguous()
     out = _CACHE.empty(tuple(xc.shape), xc.dtype)
     if ids is None:  # element j of row r is element r * width + j of the flat tensor
-        _dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), np.uint64(state),
+        _dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), _u64(state),
                         np.uint64(threshold), _scalar(scale, xc.dtype))
         return out
     rows = xc.shape[0]
     _edge_dropout_kernel(xc.numpy().reshape(rows, -1), out.numpy().reshape(rows, -1),
-                         ids.numpy(), np.uint64(state),
+                         ids.numpy(), _u64(state),
                          np.uint64(threshold), _scalar(scale, xc.dtype))
     return out
 
@@ -208,6 +213,10 @@ def edge_dropout(x: torch.Tensor, ids: torch.Tensor | None, state: int, threshol
     parallel instead of through int64 temporaries of x's size, and recomputed in backward.
     ``state`` is the mixed seed as an unsigned 64-bit int; ``ids`` int32 or int64 [R],
     non-negative, or None for ``ids[r] = r`` (no id array is made or saved)."""
-    return _EdgeDropout.apply(x, None if ids is None else ids.contiguous(), int(state),
+    # as a signed int64 through autograd.Function: the profiler's record_shapes converts the
+    # arguments to C++ int64, which fails for states of 2**63 and more
+    state = int(state) & 0xFFFF_FFFF_FFFF_FFFF
+    state = state - (1 << 64) if state >= 1 << 63 else state
+    return _EdgeDropout.apply(x, None if ids is None else ids.contiguous(), state,
                               int(threshold), float(scale))
 

@@ -101,3 +101,21 @@ def test_gnn_fuses_relu_and_dropout_between_layers(monkeypatch):
     torch.testing.assert_close(out, out2)
     for a, b in zip(grads, grads2):
         torch.testing.assert_close(a, b)
+
+
+def test_edge_dropout_runs_under_the_profiler_with_large_states():
+    """States of 2**63 and more (half of all seeds' mixes) pass through autograd.Function as
+    signed int64: torch.profiler's record_shapes converts the arguments to C++ int64 and
+    failed on them ("Unable to cast Python instance of type int")."""
+    from torch.profiler import ProfilerActivity, profile
+    x = torch.randn(50, 4, requires_grad=True)
+    state = (1 << 64) - 12345
+    want = _dropout.edge_dropout(x, None, state, _dropout._threshold(0.3), 1 / 0.7)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True):
+        got = _dropout.edge_dropout(x, torch.arange(50), state, _dropout._threshold(0.3), 1 / 0.7)
+    assert torch.equal(got, want)
+    # the mask of the torch (int64) form of the hash, with the state as a signed int64
+    key = torch.arange(200).reshape(50, 4)
+    keep = executor._srl(executor._splitmix64(key * executor._GOLDEN + (state - (1 << 64))),
+                         40) < _dropout._threshold(0.3)
+    assert torch.equal(want != 0, keep & (x != 0))
