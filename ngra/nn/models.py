@@ -39,12 +39,15 @@ def _dropout(x: torch.Tensor, p: float, training: bool, g=None) -> torch.Tensor:
 
 
 def _act_dropout(x: torch.Tensor, activation: str, p: float, training: bool, g=None):
-    """``_dropout(act(x), p, training, g)``; for ReLU on the CPU path of ``_dropout`` one pass
-    each way (``kernels._dropout.relu_dropout``: same mask and values, no [N, F] tensor for the
-    activation's output and none for its gradient)."""
-    if (activation == "relu" and training and 0.0 < p < 1.0 and _fast_dropout.supported(x)
-            and getattr(g, "global_ids", None) is None):
-        return _fast_dropout.relu_dropout(x, p, int(torch.randint(0, 1 << 62, (1,)).item()))
+    """``_dropout(act(x), p, training, g)``; for ReLU and ELU on the CPU path of ``_dropout``
+    one pass each way (``kernels._dropout.relu_dropout`` / ``elu_dropout``: same mask, same
+    values (ELU's within 3 ulp), no [N, F] tensor for the activation's output and none for its
+    gradient)."""
+    if (activation in ("relu", "elu") and training and 0.0 < p < 1.0
+            and _fast_dropout.supported(x) and getattr(g, "global_ids", None) is None):
+        seed = int(torch.randint(0, 1 << 62, (1,)).item())
+        fused = _fast_dropout.relu_dropout if activation == "relu" else _fast_dropout.elu_dropout
+        return fused(x, p, seed)
     return _dropout(_ACTIVATIONS[activation](x), p, training, g)
 
 

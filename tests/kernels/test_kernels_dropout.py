@@ -119,3 +119,75 @@ def test_edge_dropout_runs_under_the_profiler_with_large_states():
     keep = executor._srl(executor._splitmix64(key * executor._GOLDEN + (state - (1 << 64))),
                          40) < _dropout._threshold(0.3)
     assert torch.equal(want != 0, keep & (x != 0))
+
+
+def test_elu_dropout_is_dropout_of_elu():
+    """float32 in one pass each way: the same mask as dropout(F.elu(x)) with the same seed,
+    values within 3 ulp (a vectorized expm1: a polynomial near 0, exp - 1 below -0.25), and the
+    gradient from the output as torch's in-place ELU takes it (elu(x) + 1 for x <= 0): within
+    float32 rounding of the gradient's scale (torch's out-of-place ELU uses exp(x), exact in
+    relative terms where exp(x) is tiny)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2000, 37, generator=gen) * 3
+    x[0, :10] = torch.tensor([0.0, -0.0, -1e-8, -1e-3, -0.2499, -0.25, -0.2501, -20.0, -100.0,
+                              1e-30])
+    x.requires_grad_()
+    fused = _dropout.elu_dropout(x, 0.3, 99)
+    plain = _dropout.dropout(torch.nn.functional.elu(x), 0.3, 99)
+    assert torch.equal(fused == 0, plain == 0)  # the same elements dropped
+    assert torch.equal(torch.signbit(fused), torch.signbit(plain))
+    torch.testing.assert_close(fused, plain, rtol=4e-7, atol=0)
+    g = torch.randn(x.shape, generator=gen)
+    got, = torch.autograd.grad(fused, x, g)
+    want, = torch.autograd.grad(plain, x, g)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=2e-7 * float(g.abs().max()))
+    dropped = _dropout.dropout(torch.ones(x.shape), 0.3, 99) == 0
+    assert torch.all(got[dropped] == 0) and torch.all(got[~dropped & (x > -5)] != 0)
+
+
+@pytest.mark.parametrize("case", ["nan", "inf", "float64"])
+def test_elu_dropout_falls_back_to_torch_ops(case):
+    """A NaN or infinite input (whose dropped gradient the one-pass backward cannot give as
+    torch does), and float64 (the fast expm1 is float32's): exactly torch's ELU then dropout."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 8, generator=gen, dtype=torch.float64 if case == "float64" else torch.float32)
+    if case != "float64":
+        x[3, :4] = float(case)
+        x[4, :4] = -float(case)
+    x.requires_grad_()
+    fused = _dropout.elu_dropout(x, 0.5, 7)
+    plain = _dropout.dropout(torch.nn.functional.elu(x), 0.5, 7)
+    assert torch.equal(torch.nan_to_num(fused, 9.0), torch.nan_to_num(plain, 9.0))
+    g = torch.randn(x.shape, generator=gen, dtype=x.dtype)
+    got, want = (torch.autograd.grad(y, x, g)[0] for y in (fused, plain))
+    assert torch.equal(torch.nan_to_num(got, 9.0), torch.nan_to_num(want, 9.0))
+
+
+def test_gnn_fuses_elu_and_dropout_between_gat_layers(monkeypatch):
+    """The GAT model's ELU + dropout between layers is one elu_dropout call; the output and
+    gradients are those of the two ops within float32 rounding (same seeds drawn)."""
+    import ngra
+    from ngra.nn import build_model, models
+    gen = torch.Generator().manual_seed(0)
+    g = ngra.Graph(torch.randint(0, 60, (400,), generator=gen),
+                   torch.randint(0, 60, (400,), generator=gen), 60)
+    x = torch.randn(60, 6, generator=gen)
+    model = build_model("gat", 6, 8, 3, num_layers=3, heads=2)
+    calls = []
+    real = _dropout.elu_dropout
+    monkeypatch.setattr(_dropout, "elu_dropout", lambda *a: calls.append(a) or real(*a))
+
+    def run():
+        torch.manual_seed(5)
+        out = model(g, x)
+        return out, torch.autograd.grad(out.square().sum(), list(model.parameters()))
+
+    out, grads = run()
+    assert len(calls) == 2
+    monkeypatch.setattr(models, "_act_dropout", lambda x, a, p, t, g=None:
+                        models._dropout(models._ACTIVATIONS[a](x), p, t, g))
+    out2, grads2 = run()
+    assert len(calls) == 2
+    torch.testing.assert_close(out, out2, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, grads2):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
