@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from ._cpu.blocking import _SDDMM_MODEL, _block_csr, _hot_sources, _num_blocks
-from ._cpu.codes import (M_BLOCK_E, M_COPY_E, M_COPY_U, M_GENERIC, S_COPY, S_DOT, S_DOT_ROW,
-                         S_GENERIC, S_SAME)
+from ._cpu.codes import (M_BLOCK_E, M_COPY_E, M_COPY_U, M_GENERIC, S_COPY, S_DOT, S_DOT_BLOCKS,
+                         S_DOT_ROW, S_GENERIC, S_SAME)
 from ._cpu.softmax import _edge_dst, _edge_softmax, _edge_softmax_backward
 from ._cpu.sddmm import _sddmm
 from ._cpu.spmm import (_maxmin_grad_e, _maxmin_grad_u, _spmm_maxmin, _spmm_mul_grads, _spmm_norm,
@@ -380,6 +380,9 @@ def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
         if binop == "dot":
             loff, roff, red = bcast_offsets(binop, fl, fr, fo)
             mode = S_DOT_ROW if math.prod(fo) == 1 and red > 0 else S_DOT
+            if mode == S_DOT and red > 0 and np.array_equal(loff, roff) and np.array_equal(
+                    loff, np.arange(loff.size, dtype=loff.dtype) * red):
+                mode = S_DOT_BLOCKS  # output j = dot of block j of both rows (contiguous)
         elif binop == "copy_lhs":
             mode = S_COPY
         elif fl == fr == fo:

@@ -26,6 +26,7 @@ S_SAME = 1
 S_DOT = 2
 S_GENERIC = 3
 S_DOT_ROW = 4  # one dot product over the whole (contiguous) row
+S_DOT_BLOCKS = 5  # output j: the dot product of both rows' j-th block of `red` elements (heads)
 
 _bop = njit(inline="always")(_scalar.bop)
 _row = njit(inline="always")(_scalar.row)

@@ -229,3 +229,23 @@ def test_gspmm_maxmin_tiles_nan_and_inf(dtype):
             g = torch.ones_like(got)
             (ga,), (gb,) = torch.autograd.grad(got, a, g), torch.autograd.grad(want, b, g)
             assert torch.equal(ga, gb)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("heads,width", [(2, 1), (4, 16), (3, 5), (8, 33)])
+def test_sddmm_dot_per_block(dtype, heads, width):
+    """u_dot_v of [N, H, C] rows (GAT's attention gradient: one dot per head over contiguous
+    blocks) through the block loop: the torch backend's values, infinities kept (a zero start
+    of the output's type, not x - x)."""
+    csr = _graph(torch.int32)
+    u = rand((csr.num_src, heads, width), dtype, 3)
+    v = rand((csr.num_dst, heads, width), dtype, 4)
+    u[0, 0, 0] = float("inf")
+    v[:, 0, 0] = torch.where(v[:, 0, 0] == 0, 1.0, v[:, 0, 0]).abs()  # inf * positive = inf
+    got = kernels.gsddmm(csr, "u_dot_v", u=u, v=v, backend="numba")
+    want = kernels.gsddmm(csr, "u_dot_v", u=u, v=v, backend="torch")
+    assert got.shape == want.shape == (csr.num_edges, heads, 1)
+    assert torch.isinf(want).any()  # source 0 has out-edges
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and not torch.isnan(got).any()
+    fin = torch.isfinite(want)
+    assert torch.allclose(got[fin], want[fin], **_tol(dtype))
