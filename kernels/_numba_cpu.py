@@ -25,7 +25,7 @@ from ._cpu.blocking import _SDDMM_MODEL, _block_csr, _hot_sources, _num_blocks
 from ._cpu.codes import (M_BLOCK_E, M_COPY_E, M_COPY_U, M_GENERIC, S_COPY, S_DOT, S_DOT_BLOCKS,
                          S_DOT_ROW, S_GENERIC, S_SAME)
 from ._cpu.softmax import _edge_dst, _edge_softmax, _edge_softmax_backward
-from ._cpu.sddmm import _sddmm
+from ._cpu.sddmm import _sddmm, _sddmm_uv
 from ._cpu.spmm import (_maxmin_grad_e, _maxmin_grad_u, _spmm_maxmin, _spmm_mul_grads, _spmm_norm,
                         _spmm_sum)
 from ._ops import bcast_offsets, out_feat_shape
@@ -400,6 +400,9 @@ def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
         v_bytes = R.shape[1] * R.itemsize // 2 if rhs_target == "v" else 0
         nblk = _block_count(csr.num_src, csr.num_dst, csr.num_edges, L.shape[1] * L.itemsize,
                             v_bytes, _SDDMM_MODEL)
+    if nblk == 1 and mode == S_SAME and lhs_target == "u" and rhs_target == "v":
+        _launch(_sddmm_uv, parts, indptr, indices, eids, L, R, out.numpy(), _CODE[binop])
+        return out.reshape((csr.num_edges,) + fo)
     bptr, bind, beids = _blocked(csr, nblk)
     _launch(_sddmm, parts, bptr, nblk, bind, beids, L, _TARGET[lhs_target], R, _TARGET[rhs_target],
             out.numpy(), _CODE[binop], mode, loff, roff, red,

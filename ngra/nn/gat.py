@@ -115,5 +115,8 @@ class GATConv(Conv):
         return z_src * alpha.unsqueeze(-1)                                          # [E, H, C]
 
     def apply_vertex(self, v, acc):
-        out = acc.reshape(-1, self.heads * self.out_channels) if self.concat else acc.mean(1)
+        if self.concat or self.heads == 1:  # the mean of one head is that head: no copy
+            out = acc.reshape(-1, self.heads * self.out_channels)
+        else:
+            out = acc.mean(1)
         return out + self.bias if self.bias is not None else out
