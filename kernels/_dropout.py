@@ -167,8 +167,8 @@ def relu_dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
 def _elu32(v):
     """ELU (alpha 1) of a float32 in loops that vectorize: ``v`` above 0, else expm1(v): a
     Taylor polynomial to v^7 on (-0.25, 0] (in float64: truncation below 4e-10 relative), else
-    the kernels' exp (1 ulp) minus 1 (at most ~3 ulp after the cancellation at -0.25). libm's
-    expm1 is called one element at a time here: 4x torch's vectorized ELU."""
+    the kernels' exp (1 ulp) minus 1 (at most ~3 ulp after the cancellation at -0.25). numba
+    calls libm's expm1 one element at a time: 4x torch's vectorized ELU on [1M, 64]."""
     w = np.float64(v)
     t = w * (1.0 + w * (0.5 + w * (1.0 / 6 + w * (1.0 / 24 + w * (1.0 / 120 + w * (
         1.0 / 720 + w / 5040))))))
