@@ -123,26 +123,39 @@ def _relu_dropout_backward_nan_kernel(g, out, gx, seed, threshold, scale):
         gx[i] = g[i] * (scale if keep else zero)
 
 
+def _act_forward(ctx, kernel, x, p, seed):
+    """Forward of an activation + dropout kernel ``kernel(x, out, seed, threshold, scale)`` on
+    the flat contiguous ``x`` into a cached output; keeps the output and ``ctx.args = (seed,
+    threshold, scale)`` for backward. Returns ``(out, what the kernel returned)``."""
+    xc = x.detach().contiguous()
+    out = _CACHE.empty(tuple(xc.shape), xc.dtype)
+    ctx.args = (np.uint64(seed), np.uint64(_threshold(p)), _scalar(1.0 / (1.0 - p), xc.dtype))
+    count = kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), *ctx.args)
+    ctx.save_for_backward(out)
+    return out, count
+
+
+def _act_backward_buffers(ctx, grad):
+    """``(gx, G, O, GX)`` for an activation + dropout backward: a cached gradient output and the
+    flat numpy views of the gradient, the kept output and ``gx``."""
+    out, = ctx.saved_tensors
+    g = grad.contiguous()
+    gx = _CACHE.empty(tuple(g.shape), g.dtype)
+    return (gx,) + tuple(t.numpy().reshape(-1) for t in (g, out, gx))
+
+
 class _ReluDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, p, seed):
-        xc = x.detach().contiguous()
-        out = _CACHE.empty(tuple(xc.shape), xc.dtype)
-        scale = _scalar(1.0 / (1.0 - p), xc.dtype)
-        nans = _relu_dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1),
-                                    np.uint64(seed), np.uint64(_threshold(p)), scale)
-        ctx.args = (np.uint64(seed), np.uint64(_threshold(p)), scale, nans > 0)
-        ctx.save_for_backward(out)
+        out, nans = _act_forward(ctx, _relu_dropout_kernel, x, p, seed)
+        ctx.nans = nans > 0
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out, = ctx.saved_tensors
-        g = grad.contiguous()
-        gx = _CACHE.empty(tuple(g.shape), g.dtype)
-        seed, threshold, scale, nans = ctx.args
-        G, O, GX = (t.numpy().reshape(-1) for t in (g, out, gx))
-        if nans:
+        gx, G, O, GX = _act_backward_buffers(ctx, grad)
+        seed, threshold, scale = ctx.args
+        if ctx.nans:
             _relu_dropout_backward_nan_kernel(G, O, GX, seed, threshold, scale)
         else:
             _relu_dropout_backward_kernel(G, O, GX, scale)
@@ -204,23 +217,14 @@ def _elu_dropout_backward_kernel(g, out, gx, seed, threshold, scale):
 class _EluDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, p, seed, flag):
-        xc = x.detach().contiguous()
-        out = _CACHE.empty(tuple(xc.shape), xc.dtype)
-        scale = _scalar(1.0 / (1.0 - p), xc.dtype)
-        bad = _elu_dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1),
-                                  np.uint64(seed), np.uint64(_threshold(p)), scale)
+        out, bad = _act_forward(ctx, _elu_dropout_kernel, x, p, seed)
         flag.append(bad > 0)
-        ctx.args = (np.uint64(seed), np.uint64(_threshold(p)), scale)
-        ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out, = ctx.saved_tensors
-        g = grad.contiguous()
-        gx = _CACHE.empty(tuple(g.shape), g.dtype)
-        _elu_dropout_backward_kernel(g.numpy().reshape(-1), out.numpy().reshape(-1),
-                                     gx.numpy().reshape(-1), *ctx.args)
+        gx, G, O, GX = _act_backward_buffers(ctx, grad)
+        _elu_dropout_backward_kernel(G, O, GX, *ctx.args)
         return gx, None, None, None
 
 

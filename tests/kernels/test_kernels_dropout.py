@@ -73,19 +73,21 @@ def test_relu_dropout_is_dropout_of_relu(dtype):
     assert torch.equal(got, want)
 
 
-def test_gnn_fuses_relu_and_dropout_between_layers(monkeypatch):
-    """ngra.nn.GNN's relu + dropout between layers is one relu_dropout call, and the model's
-    output and gradients are those of the two ops (same seeds drawn)."""
+def _fused_and_two_ops(monkeypatch, fused, n, e, build):
+    """A 3-layer model's output and parameter gradients with ``kernels._dropout.<fused>`` (each
+    call counted: 2, between layers 1-2 and 2-3) and with the activation and dropout as two ops
+    (``_act_dropout`` replaced; no fused call), the same seeds drawn: ``(out, grads, out2,
+    grads2)``. ``n`` vertices, ``e`` random edges, ``build()`` makes the model."""
     import ngra
-    from ngra.nn import build_model, models
+    from ngra.nn import models
     gen = torch.Generator().manual_seed(0)
-    g = ngra.Graph(torch.randint(0, 50, (300,), generator=gen),
-                   torch.randint(0, 50, (300,), generator=gen), 50)
-    x = torch.randn(50, 6, generator=gen)
-    model = build_model("sage", 6, 8, 3, num_layers=3)
+    g = ngra.Graph(torch.randint(0, n, (e,), generator=gen),
+                   torch.randint(0, n, (e,), generator=gen), n)
+    x = torch.randn(n, 6, generator=gen)
+    model = build()
     calls = []
-    real = _dropout.relu_dropout
-    monkeypatch.setattr(_dropout, "relu_dropout", lambda *a: calls.append(a) or real(*a))
+    real = getattr(_dropout, fused)
+    monkeypatch.setattr(_dropout, fused, lambda *a: calls.append(a) or real(*a))
 
     def run():
         torch.manual_seed(5)
@@ -98,6 +100,15 @@ def test_gnn_fuses_relu_and_dropout_between_layers(monkeypatch):
                         models._dropout(models._ACTIVATIONS[a](x), p, t, g))
     out2, grads2 = run()
     assert len(calls) == 2
+    return out, grads, out2, grads2
+
+
+def test_gnn_fuses_relu_and_dropout_between_layers(monkeypatch):
+    """ngra.nn.GNN's relu + dropout between layers is one relu_dropout call, and the model's
+    output and gradients are those of the two ops (same seeds drawn)."""
+    from ngra.nn import build_model
+    out, grads, out2, grads2 = _fused_and_two_ops(
+        monkeypatch, "relu_dropout", 50, 300, lambda: build_model("sage", 6, 8, 3, num_layers=3))
     torch.testing.assert_close(out, out2)
     for a, b in zip(grads, grads2):
         torch.testing.assert_close(a, b)
@@ -169,29 +180,13 @@ def test_elu_dropout_falls_back_to_torch_ops(case):
 def test_gnn_fuses_elu_and_dropout_between_gat_layers(monkeypatch):
     """The GAT model's ELU + dropout between layers is one elu_dropout call; the output and
     gradients are those of the two ops within float32 rounding (same seeds drawn)."""
-    import ngra
-    from ngra.nn import build_model, models
-    gen = torch.Generator().manual_seed(0)
-    g = ngra.Graph(torch.randint(0, 60, (400,), generator=gen),
-                   torch.randint(0, 60, (400,), generator=gen), 60)
-    x = torch.randn(60, 6, generator=gen)
-    torch.manual_seed(1)
-    model = build_model("gat", 6, 8, 3, num_layers=3, heads=2)
-    calls = []
-    real = _dropout.elu_dropout
-    monkeypatch.setattr(_dropout, "elu_dropout", lambda *a: calls.append(a) or real(*a))
+    from ngra.nn import build_model
 
-    def run():
-        torch.manual_seed(5)
-        out = model(g, x)
-        return out, torch.autograd.grad(out.square().sum(), list(model.parameters()))
+    def build():
+        torch.manual_seed(1)
+        return build_model("gat", 6, 8, 3, num_layers=3, heads=2)
 
-    out, grads = run()
-    assert len(calls) == 2
-    monkeypatch.setattr(models, "_act_dropout", lambda x, a, p, t, g=None:
-                        models._dropout(models._ACTIVATIONS[a](x), p, t, g))
-    out2, grads2 = run()
-    assert len(calls) == 2
+    out, grads, out2, grads2 = _fused_and_two_ops(monkeypatch, "elu_dropout", 60, 400, build)
     torch.testing.assert_close(out, out2, rtol=1e-5, atol=1e-6)
     # ulp-level differences of the ELU values and derivatives, summed over 3 layers and 400
     # edges into each weight's gradient: compared at the scale of each gradient
