@@ -4,10 +4,11 @@ glibc serves every allocation above its mmap threshold (at most 32 MiB) from new
 unmaps them on free, so each large tensor's first write page-faults once per 4 KiB page: on the
 project's machine that was 25-40% of a g-SpMM call (``benchmarks/fresh_memory.py``). A training
 loop allocates the same output sizes every step, so the numba backend takes its large outputs
-and scratch arrays from this cache instead. A block handed out is owned by its tensor (or numpy
+and scratch arrays from this cache instead, and so do the layers' dense ops of
+``kernels/_dense.py`` (outputs and gradients). A block handed out is owned by its tensor (or numpy
 array) like any other memory; when the last tensor, view or array using it is freed, the block
 comes back here instead of going back to the OS, up to :func:`set_output_cache_limit` bytes
-(default: 1/16 of physical memory, at most 4 GiB; ``NGRA_KERNEL_OUTPUT_CACHE`` in the
+(default: 1/8 of physical memory, at most 4 GiB; ``NGRA_KERNEL_OUTPUT_CACHE`` in the
 environment, a byte count, sets it at import, ``0`` turns the cache off). Blocks beyond the
 limit are released, oldest first; :func:`empty_output_cache` releases them all. A request no
 cached block serves (a miss) releases as many cached bytes as it maps, oldest first: blocks kept
@@ -53,7 +54,7 @@ def _default_limit() -> int:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = 16 << 30
-    return min(4 << 30, ram // 16)
+    return min(4 << 30, ram // 8)
 
 
 def _check_limit(nbytes, what: str) -> int:

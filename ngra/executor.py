@@ -22,7 +22,10 @@ overridable method per kind of op:
   method named by ``n.op``, else ``graph_op`` for the ops of ``GRAPH_OPS``;
 - ``input``: a vertex or edge field of ``vdata`` / ``edata``; ``get_attr``: a parameter or buffer
   of the layer; ``const``: the node's value; ``call_module``, ``call_function``,
-  ``call_method``: the call; ``graph_op``: the graph op on :class:`GraphOps` ``ops``;
+  ``call_method``: the call (a ``Linear``, ReLU, ``addcmul``, ``+`` or ``*`` whose result is a
+  large CPU tensor through ``kernels._dense``: torch's values, its output and gradients in the
+  kernels' output cache instead of fresh pages); ``graph_op``: the graph op on
+  :class:`GraphOps` ``ops``;
 - ``edge_dropout(n, args, kwargs)``: dropout of an edge value with the mask of
   :func:`edge_dropout` (the nodes that have a seed in ``rng``, see :class:`EdgeRandom`);
 - ``before(k, n)`` / ``after(k, n, value)``: called before node ``k`` fetches its operands and
@@ -41,6 +44,7 @@ from typing import Any
 import torch
 
 import kernels
+from kernels import _dense
 from kernels import _dropout as _dropout_kernel
 
 from . import profile
@@ -346,13 +350,17 @@ class Interpreter:
         return n.value
 
     def call_module(self, n: Node, args, kwargs):
-        return self.layer.get_submodule(n.target)(*args, **kwargs)
+        module = self.layer.get_submodule(n.target)
+        out = _dense.call("module", module, args, kwargs)
+        return module(*args, **kwargs) if out is NotImplemented else out
 
     def call_function(self, n: Node, args, kwargs):
-        return n.target(*args, **kwargs)
+        out = _dense.call("function", n.target, args, kwargs)
+        return n.target(*args, **kwargs) if out is NotImplemented else out
 
     def call_method(self, n: Node, args, kwargs):
-        return getattr(args[0], n.target)(*args[1:], **kwargs)
+        out = _dense.call("method", n.target, args, kwargs)
+        return getattr(args[0], n.target)(*args[1:], **kwargs) if out is NotImplemented else out
 
     def graph_op(self, n: Node, args, kwargs):
         return GRAPH_OPS[n.op].run(self.ops, n, args)

@@ -1,0 +1,266 @@
+"""A GNN layer's vertex-wise dense ops (``Linear``, ReLU, ``addcmul``, ``+``, ``*``) with their
+outputs and input gradients in the output cache (``kernels/_outcache.py``).
+
+Torch allocates every result afresh, and each large CPU tensor is new pages that page-fault on
+their first write: a GIN epoch on R-MAT 1M / 16M made fourteen [N, 64] tensors (3.5 GiB) in its
+MLPs and their backward, 2036 huge-page faults and 1.1-3.3 s of system time a 2.3-3.7 s epoch on
+the project's machine. Here each op is an autograd Function that calls the same aten kernels
+with ``out=`` a cached block (forward and backward), so the values are torch's to the bit, and
+a training loop's [N, F] results reuse warm pages (``benchmarks/README.md``, e2e).
+
+:func:`call` is what ``ngra``'s interpreter calls for a traced module, function or method: the
+value through this module, or ``NotImplemented`` where it does not apply. It applies to plain
+CPU tensors of one dtype (float32 / float64) whose result is at least 1 MiB (smaller ones come
+from glibc's heap, which reuses memory anyway), outside autocast, forward-mode AD, functorch
+transforms and torch function / dispatch modes (those see torch's own op). Backward under
+``create_graph=True`` computes with torch's differentiable ops, so higher-order gradients work.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.nn.functional as F
+
+from ._outcache import CACHE as _CACHE
+from ._outcache import MIN_BYTES
+
+__all__ = ["call", "linear", "relu", "addcmul", "add", "mul"]
+
+_DTYPES = (torch.float32, torch.float64)
+
+
+def _plain(t) -> bool:
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
+def _autocast_cpu() -> bool:
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_cpu_enabled()
+
+
+def usable(shape, *tensors) -> bool:
+    """Whether a result of ``shape`` computed from ``tensors`` (all tensors) takes the cached
+    path (see the module docstring)."""
+    dtype = tensors[0].dtype
+    if dtype not in _DTYPES or _CACHE.limit == 0:
+        return False
+    if math.prod(shape) * tensors[0].element_size() < MIN_BYTES:
+        return False
+    if not all(_plain(t) and t.dtype == dtype for t in tensors):
+        return False
+    if _autocast_cpu() or torch.autograd.forward_ad._current_level >= 0:
+        return False
+    if torch._C._is_torch_function_mode_enabled():
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    return _get_current_dispatch_mode() is None
+
+
+def _out(fn, shape, dtype, *args, **kwargs):
+    """``fn(*args, **kwargs)`` into a cached block; under grad mode (a backward with
+    ``create_graph=True``) a plain differentiable call."""
+    if torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    return fn(*args, **kwargs, out=_CACHE.empty(tuple(shape), dtype))
+
+
+def _reduce(g: torch.Tensor, shape) -> torch.Tensor:
+    """A gradient of the broadcast result summed to an operand's ``shape`` (as autograd does)."""
+    return g if g.shape == shape else g.sum_to_size(shape)
+
+
+# -- Linear ---------------------------------------------------------------------------------------
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        need = ctx.needs_input_grad  # x's gradient needs the weight, the weight's needs x
+        ctx.save_for_backward(x if need[1] else None, weight if need[0] else None)
+        ctx.has_bias = bias is not None
+        shape = (x.shape[0], weight.shape[0])
+        if bias is None:  # F.linear's kernels for a 2-D input: mm, or addmm with a bias
+            return _out(torch.mm, shape, x.dtype, x, weight.t())
+        return _out(torch.addmm, shape, x.dtype, bias, x, weight.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = _out(torch.mm, (g.shape[0], weight.shape[1]), g.dtype, g, weight)
+        if ctx.needs_input_grad[1]:
+            gw = g.t().mm(x)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g.sum(0)
+        return gx, gw, gb
+
+
+def _linear(x, weight, bias=None):
+    operands = (x, weight) if bias is None else (x, weight, bias)
+    if (all(isinstance(t, torch.Tensor) for t in operands) and x.dim() == 2 and weight.dim() == 2
+            and (bias is None or bias.dim() == 1) and x.shape[1] == weight.shape[1]
+            and usable((x.shape[0], weight.shape[0]), *operands)):
+        return _Linear.apply(x, weight, bias)
+    return NotImplemented
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear(x, weight, bias)``; cached for a 2-D ``x``."""
+    out = _linear(x, weight, bias)
+    return F.linear(x, weight, bias) if out is NotImplemented else out
+
+
+# -- ReLU -----------------------------------------------------------------------------------------
+class _Relu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = _out(torch.clamp_min, x.shape, x.dtype, x, 0)  # aten's relu on the CPU
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out, = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return torch.ops.aten.threshold_backward(g, out, 0)
+        gx = _CACHE.empty(tuple(g.shape), g.dtype)
+        return torch.ops.aten.threshold_backward.grad_input(g, out, 0, grad_input=gx)
+
+
+def _relu(x):
+    return _Relu.apply(x) if isinstance(x, torch.Tensor) and usable(x.shape, x) else NotImplemented
+
+
+def relu(x: torch.Tensor) -> torch.Tensor:
+    """``torch.relu(x)``, cached."""
+    out = _relu(x)
+    return torch.relu(x) if out is NotImplemented else out
+
+
+# -- element-wise: addcmul, add, mul ----------------------------------------------------------------
+class _Addcmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, t1, t2):
+        need = ctx.needs_input_grad
+        # t1's gradient needs t2, t2's needs t1
+        ctx.save_for_backward(t2 if need[1] else None, t1 if need[2] else None)
+        ctx.shapes = a.shape, t1.shape, t2.shape
+        shape = torch.broadcast_shapes(*ctx.shapes)
+        return _out(torch.addcmul, shape, a.dtype, a, t1, t2)
+
+    @staticmethod
+    def backward(ctx, g):
+        t2, t1 = ctx.saved_tensors
+        need, (sa, s1, s2) = ctx.needs_input_grad, ctx.shapes
+        ga = _reduce(g, sa) if need[0] else None
+        g1 = _reduce(_out(torch.mul, g.shape, g.dtype, g, t2), s1) if need[1] else None
+        g2 = _reduce(_out(torch.mul, g.shape, g.dtype, g, t1), s2) if need[2] else None
+        return ga, g1, g2
+
+
+class _Add(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.shapes = a.shape, b.shape
+        return _out(torch.add, torch.broadcast_shapes(a.shape, b.shape), a.dtype, a, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        need, (sa, sb) = ctx.needs_input_grad, ctx.shapes
+        return (_reduce(g, sa) if need[0] else None), (_reduce(g, sb) if need[1] else None)
+
+
+class _Mul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        need = ctx.needs_input_grad
+        ctx.save_for_backward(b if need[0] else None, a if need[1] else None)
+        ctx.shapes = a.shape, b.shape
+        return _out(torch.mul, torch.broadcast_shapes(a.shape, b.shape), a.dtype, a, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        b, a = ctx.saved_tensors
+        need, (sa, sb) = ctx.needs_input_grad, ctx.shapes
+        ga = _reduce(_out(torch.mul, g.shape, g.dtype, g, b), sa) if need[0] else None
+        gb = _reduce(_out(torch.mul, g.shape, g.dtype, g, a), sb) if need[1] else None
+        return ga, gb
+
+
+def _elementwise(fn, *operands):
+    """``fn.apply(*operands)`` when they are tensors that broadcast to a result the cached path
+    takes, else NotImplemented."""
+    if not all(isinstance(t, torch.Tensor) for t in operands):
+        return NotImplemented
+    try:
+        shape = torch.broadcast_shapes(*(t.shape for t in operands))
+    except RuntimeError:  # torch's own op says why
+        return NotImplemented
+    return fn.apply(*operands) if usable(shape, *operands) else NotImplemented
+
+
+def addcmul(a, t1, t2):
+    """``torch.addcmul(a, t1, t2)`` (``value=1``), cached."""
+    out = _elementwise(_Addcmul, a, t1, t2)
+    return torch.addcmul(a, t1, t2) if out is NotImplemented else out
+
+
+def add(a, b):
+    """``a + b``, cached for two tensors."""
+    out = _elementwise(_Add, a, b)
+    return a + b if out is NotImplemented else out
+
+
+def mul(a, b):
+    """``a * b``, cached for two tensors."""
+    out = _elementwise(_Mul, a, b)
+    return a * b if out is NotImplemented else out
+
+
+# -- what the interpreter calls -------------------------------------------------------------------
+# each: (its cached form, returning NotImplemented where it does not apply; fewest and most
+# positional operands)
+_LINEAR = (_linear, 2, 3)
+_RELU = (_relu, 1, 1)
+_ADDCMUL = (lambda a, t1, t2: _elementwise(_Addcmul, a, t1, t2), 3, 3)
+_ADD = (lambda a, b: _elementwise(_Add, a, b), 2, 2)
+_MUL = (lambda a, b: _elementwise(_Mul, a, b), 2, 2)
+_FUNCTIONS = {F.linear: _LINEAR, torch.relu: _RELU, F.relu: _RELU, torch.addcmul: _ADDCMUL,
+              torch.add: _ADD, operator.add: _ADD, torch.mul: _MUL, operator.mul: _MUL}
+_METHODS = {"relu": _RELU, "add": _ADD, "mul": _MUL, "addcmul": _ADDCMUL, "__add__": _ADD,
+            "__mul__": _MUL}
+
+
+def _hooked(m: torch.nn.Module) -> bool:
+    """Whether calling ``m`` runs hooks (its own or global ones) that the cached form would skip."""
+    from torch.nn.modules import module as mm
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or m._backward_pre_hooks or mm._global_forward_hooks
+                or mm._global_forward_pre_hooks or mm._global_backward_hooks
+                or mm._global_backward_pre_hooks)
+
+
+def call(kind: str, target, args: tuple, kwargs: dict):
+    """The value of a traced call through this module, or ``NotImplemented`` (the caller then
+    makes the call itself): ``kind`` is ``"module"`` (``target`` the module), ``"function"``
+    (the function) or ``"method"`` (its name); ``args`` / ``kwargs`` its operand values."""
+    if kind == "module":
+        if kwargs or len(args) != 1 or _hooked(target):
+            return NotImplemented
+        if type(target) is torch.nn.Linear:
+            return _linear(args[0], target.weight, target.bias)
+        if type(target) is torch.nn.ReLU and not target.inplace:
+            return _relu(args[0])
+        return NotImplemented
+    entry = (_FUNCTIONS if kind == "function" else _METHODS).get(target)
+    if entry is None or (kwargs and not (target is F.relu and kwargs == {"inplace": False})):
+        return NotImplemented
+    fn, lo, hi = entry
+    if not lo <= len(args) <= hi:
+        return NotImplemented
+    return fn(*args)

@@ -1,0 +1,178 @@
+"""kernels._dense (Linear, ReLU, addcmul, +, * with outputs and gradients in the output cache)
+against torch's own ops: the same values and gradients, bit for bit, on results large enough to
+take the cached path (checked through the cache's counters); torch's op where it does not apply
+(small results, other dtypes, hooks, autocast, in-place forms); second derivatives; and ngra's
+interpreter giving a GIN / GraphSAGE / GCN layer the same values and gradients with the cache on
+and off."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import _dense
+
+N = 4096  # [4096, 64] float32 = 1 MiB: the smallest result the cache serves
+
+
+def _requests():
+    s = kernels.output_cache_stats()
+    return s["hits"] + s["misses"]
+
+
+def _grads(fn, inputs, seed=0):
+    """``fn(*inputs)`` and the gradients of a random weighting of it w.r.t. every input that
+    requires grad."""
+    out = fn(*inputs)
+    g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed))
+    needs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    return out.detach(), torch.autograd.grad(out, needs, g)
+
+
+def _leaves(gen, dtype, *shapes, grad=True):
+    return [torch.randn(*s, dtype=dtype, generator=gen).requires_grad_(grad) for s in shapes]
+
+
+CASES = {
+    # name: (cached form, torch's form, operand shapes)
+    "linear": (_dense.linear, F.linear, [(N, 32), (64, 32), (64,)]),
+    "linear, no bias": (_dense.linear, F.linear, [(N, 32), (64, 32)]),
+    "relu": (_dense.relu, torch.relu, [(N, 64)]),
+    "addcmul, scalar weight": (_dense.addcmul, torch.addcmul, [(N, 64), (1,), (N, 64)]),
+    "addcmul, column weight": (_dense.addcmul, torch.addcmul, [(N, 64), (N, 1), (N, 64)]),
+    "addcmul, broadcast bias": (_dense.addcmul, torch.addcmul, [(64,), (N, 64), (N, 1)]),
+    "add, same shape": (_dense.add, operator.add, [(N, 64), (N, 64)]),
+    "add, bias": (_dense.add, operator.add, [(N, 64), (64,)]),
+    "mul, column": (_dense.mul, operator.mul, [(N, 64), (N, 1)]),
+    "mul, same shape": (_dense.mul, operator.mul, [(N, 64), (N, 64)]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cached_op_equals_torch_op_and_its_gradients(case, dtype):
+    fast, slow, shapes = CASES[case]
+    gen = torch.Generator().manual_seed(3)
+    inputs = _leaves(gen, dtype, *shapes)
+    before = _requests()
+    out, grads = _grads(fast, inputs)
+    assert _requests() > before  # the cached path ran (forward and backward take blocks)
+    ref_out, ref_grads = _grads(slow, inputs)
+    assert out.dtype == dtype and torch.equal(out, ref_out)
+    for got, want in zip(grads, ref_grads):
+        assert got.shape == want.shape and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("needs", [(True, False), (False, True), (True, True)])
+def test_only_the_gradients_asked_for(needs):
+    gen = torch.Generator().manual_seed(4)
+    x, w = _leaves(gen, torch.float32, (N, 32), (64, 32), grad=False)
+    x.requires_grad_(needs[0])
+    w.requires_grad_(needs[1])
+    out, grads = _grads(_dense.linear, [x, w])
+    ref_out, ref_grads = _grads(F.linear, [x, w])
+    assert torch.equal(out, ref_out) and len(grads) == sum(needs)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+def test_second_derivatives_match_torch():
+    gen = torch.Generator().manual_seed(5)
+    x, w, b = _leaves(gen, torch.float64, (N, 16), (32, 16), (32,))
+    y = _leaves(gen, torch.float64, (N, 32))[0]
+
+    def loss(lin, act, times):
+        h = act(lin(x, w, b))
+        return (times(h, y) ** 2).sum()
+
+    results = []
+    for forms in ((_dense.linear, _dense.relu, _dense.mul), (F.linear, torch.relu, operator.mul)):
+        gx, gw = torch.autograd.grad(loss(*forms), (x, w), create_graph=True)
+        results.append(torch.autograd.grad((gx ** 2).sum() + gw.sum(), (x, w, b, y)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_torch_op_where_the_cached_path_does_not_apply():
+    gen = torch.Generator().manual_seed(6)
+    small = torch.randn(100, 64, generator=gen)
+    big = torch.randn(N, 64, generator=gen)
+    before = _requests()
+    assert torch.equal(_dense.relu(small), torch.relu(small))  # 25 KiB: glibc's heap
+    ints = torch.randint(-5, 5, (N, 64), generator=gen)
+    assert torch.equal(_dense.relu(ints), torch.relu(ints))  # not a float dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        w = torch.randn(64, 64, generator=gen)
+        assert _dense.linear(big, w).dtype == torch.bfloat16  # autocast's own linear
+    assert torch.equal(_dense.add(big, 2.0), big + 2.0)  # a scalar operand
+    assert _requests() == before
+
+
+def test_module_hooks_keep_the_module_call():
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(N, 64)
+    seen = []
+    lin.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    assert _dense.call("module", lin, (x,), {}) is NotImplemented
+    assert _dense.call("module", torch.nn.ReLU(inplace=True), (x,), {}) is NotImplemented
+    assert _dense.call("function", F.relu, (x,), {"inplace": True}) is NotImplemented
+    assert _dense.call("method", "relu_", (x,), {}) is NotImplemented
+    out = _dense.call("module", torch.nn.Linear(64, 64), (x,), {})  # no hook: cached
+    assert out is not NotImplemented and out.shape == (N, 64) and not seen
+
+
+def test_cache_off_gives_torch_ops():
+    x = torch.randn(N, 64)
+    limit = kernels.output_cache_limit()
+    kernels.set_output_cache_limit(0)
+    try:
+        assert _dense.call("function", torch.relu, (x,), {}) is NotImplemented
+    finally:
+        kernels.set_output_cache_limit(limit)
+
+
+def _layer_run(layer, g, x):
+    torch.manual_seed(0)
+    out = layer(g, x)
+    gx, *gp = torch.autograd.grad(out, [x, *layer.parameters()],
+                                  torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    return out.detach(), gx, gp
+
+
+@pytest.mark.parametrize("name", ["gin", "sage", "gcn"])
+def test_layers_same_with_and_without_the_cached_ops(name, monkeypatch):
+    """A whole layer through ngra's interpreter (GIN's MLP, GraphSAGE's two linears and sum,
+    GCN's W x): the cache on (the dense ops take the cached path) and off (torch's ops)."""
+    from ngra import Graph
+    from ngra.nn import GCNConv, GINConv, SAGEConv
+    gen = torch.Generator().manual_seed(2)
+    n, f = N, 96
+    src, dst = torch.randint(0, n, (8 * n,), generator=gen), torch.randint(0, n, (8 * n,), generator=gen)
+    keep = src != dst
+    g = Graph(src[keep], dst[keep], n)
+    torch.manual_seed(0)
+    layer = {"gin": lambda: GINConv(torch.nn.Sequential(torch.nn.Linear(f, 64), torch.nn.ReLU(),
+                                                        torch.nn.Linear(64, 64))),
+             "sage": lambda: SAGEConv(f, 64), "gcn": lambda: GCNConv(f, 64)}[name]()
+    x = torch.randn(n, f, generator=gen, requires_grad=True)
+    taken = []
+    call = _dense.call
+
+    def counted(kind, target, args, kwargs):
+        out = call(kind, target, args, kwargs)
+        taken.append(out is not NotImplemented)
+        return out
+    monkeypatch.setattr(_dense, "call", counted)
+    fast = _layer_run(layer, g, x)
+    assert sum(taken) >= (3 if name == "gin" else 1)  # GIN: its MLP's linear, relu, linear
+    limit = kernels.output_cache_limit()
+    kernels.set_output_cache_limit(0)
+    try:
+        slow = _layer_run(layer, g, x)
+    finally:
+        kernels.set_output_cache_limit(limit)
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+    assert all(torch.equal(a, b) for a, b in zip(fast[2], slow[2]))
