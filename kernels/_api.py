@@ -159,9 +159,8 @@ class _GSpMM(torch.autograd.Function):
                     # transposed CSR, 1 / deg applied per edge in the kernel: no scaled copy of
                     # the [N, F] gradient (on R-MAT 1M x 64 the broadcast division alone took
                     # 22-28 ms and a fresh tensor)
-                    ones = torch.ones((csr.num_src, 1), dtype=g.dtype)
                     gu = mod.spmm_norm(csr.transpose(), g, deg.reciprocal().view(-1, 1), None,
-                                       ones, None)
+                                       None, None)
                     return None, None, None, None, reduce_to(gu, ctx.fu), None
                 g = g / deg.view((-1,) + (1,) * (g.dim() - 1))
             if (need_u and need_e and binop == "mul" and hasattr(mod, "spmm_mul_grads")

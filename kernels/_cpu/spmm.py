@@ -114,8 +114,8 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf):
     the register tiles of u_mul_e with the weight read through the source index instead of the
     edge id), with the destination's own scaled row (weight ``A`` [N, 1], or none if ``A`` is
     empty), the destination scale ``C`` [N, 1] and the bias ``B`` [F] (none if empty) applied
-    to each row after its last block pass, while it is in cache. The graph is square (sources
-    are destinations). Blocks as in :func:`_spmm_sum`; each row summed by one thread in CSR
+    to each row after its last block pass, while it is in cache (none if ``C`` is empty). The
+    graph is square (sources are destinations). Blocks as in :func:`_spmm_sum`; each row summed by one thread in CSR
     order, the terms rounded as ``S[u] * U[u]`` first: a copy_u g-SpMM of the pre-scaled rows
     gives the same sums."""
     lo = out.shape[1]
@@ -124,6 +124,7 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf):
     nd = out.shape[0]
     has_a = A.shape[0] > 0
     has_b = B.shape[0] > 0
+    has_c = C.shape[0] > 0
     for blk in range(nblk):
         base = blk * nd
         for p in prange(parts.size - 1):
@@ -135,13 +136,18 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf):
                 for v in range(r0, r1):
                     orow = out[v]
                     urow = U[v]
-                    c = C[v, 0]
                     if has_a:
                         a = A[v, 0]
                         s = S[v, 0]
-                        for f in range(lo):
-                            orow[f] = (orow[f] + a * (s * urow[f])) * c
-                    else:
+                        if has_c:
+                            c = C[v, 0]
+                            for f in range(lo):
+                                orow[f] = (orow[f] + a * (s * urow[f])) * c
+                        else:
+                            for f in range(lo):
+                                orow[f] = orow[f] + a * (s * urow[f])
+                    elif has_c:
+                        c = C[v, 0]
                         for f in range(lo):
                             orow[f] = orow[f] * c
                     if has_b:

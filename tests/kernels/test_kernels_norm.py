@@ -103,6 +103,21 @@ def test_errors():
 
 
 @pytest.mark.parametrize("graph", SQUARE, ids=SQUARE_IDS)
+@pytest.mark.parametrize("with_a", [False, True])
+@pytest.mark.parametrize("nblk", [None, 3])
+def test_spmm_norm_without_destination_scale(monkeypatch, graph, with_a, nblk):
+    """The numba ``spmm_norm`` with ``c=None`` (as the mean's gradient calls it): no scale
+    after the sum, with and without the self term and the bias."""
+    monkeypatch.setattr(_numba_cpu, "_FORCE_BLOCKS", nblk)
+    n = graph[3]
+    x, s, _, a, b = (t.detach() for t in _inputs(n, (4,), torch.float64, 11))
+    a = a.reshape(n, 1) if with_a else None
+    got = _numba_cpu.spmm_norm(make_csr(graph), x, s.reshape(n, 1), a, None, b)
+    ones = torch.ones(n, 1, dtype=x.dtype)
+    torch.testing.assert_close(got, dense_norm(graph, x, s, ones, a, b), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("graph", SQUARE, ids=SQUARE_IDS)
 @pytest.mark.parametrize("nblk", [None, 3])
 @pytest.mark.parametrize("feat", [(5,), (2, 3)])
 def test_mean_input_gradient_in_one_pass(monkeypatch, graph, nblk, feat):
