@@ -5,8 +5,9 @@ Torch allocates every result afresh, and each large CPU tensor is new pages that
 their first write: a GIN epoch on R-MAT 1M / 16M made fourteen [N, 64] tensors (3.5 GiB) in its
 MLPs and their backward, 2036 huge-page faults and 1.1-3.3 s of system time a 2.3-3.7 s epoch on
 the project's machine. Here each op is an autograd Function that calls the same aten kernels
-with ``out=`` a cached block (forward and backward), so the values are torch's to the bit, and
-a training loop's [N, F] results reuse warm pages (``benchmarks/README.md``, e2e).
+with ``out=`` a cached block (forward and backward), so the values are torch's to the bit
+(except a Linear's weight gradient, the same sums in another order: see ``_Linear``), and a
+training loop's [N, F] results reuse warm pages (``benchmarks/README.md``, e2e).
 
 :func:`call` is what ``ngra``'s interpreter calls for a traced module, function or method: the
 value through this module, or ``NotImplemented`` where it does not apply. It applies to plain
@@ -94,7 +95,10 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = _out(torch.mm, (g.shape[0], weight.shape[1]), g.dtype, g, weight)
         if ctx.needs_input_grad[1]:
-            gw = g.t().mm(x)
+            # (x^T g)^T: the sums of torch's g^T x in another order (equal up to rounding),
+            # and a faster GEMM for a long, narrow x: [18K, 6805] x [18K, 64] 264 -> 184 ms,
+            # [1M, 128] x [1M, 64] 160 -> 137 ms, [1M, 64] x [1M, 16] 57 -> 45 ms
+            gw = x.t().mm(g).t().contiguous()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.sum(0)
         return gx, gw, gb

@@ -1,7 +1,8 @@
 """kernels._dense (Linear, ReLU, addcmul, +, * with outputs and gradients in the output cache)
-against torch's own ops: the same values and gradients, bit for bit, on results large enough to
-take the cached path (checked through the cache's counters); torch's op where it does not apply
-(small results, other dtypes, hooks, autocast, in-place forms); second derivatives; and ngra's
+against torch's own ops: the same values and gradients, bit for bit (a Linear's weight gradient
+up to rounding: the same sums in another order), on results large enough to take the cached
+path (checked through the cache's counters); torch's op where it does not apply (small
+results, other dtypes, hooks, autocast, in-place forms); second derivatives; and ngra's
 interpreter giving a GIN / GraphSAGE / GCN layer the same values and gradients with the cache on
 and off."""
 
@@ -31,6 +32,12 @@ def _grads(fn, inputs, seed=0):
     g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed))
     needs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     return out.detach(), torch.autograd.grad(out, needs, g)
+
+
+def _close(got, want):
+    """Equal up to rounding (a Linear's weight gradient: torch's sums in another order)."""
+    eps = 1e-5 if want.dtype == torch.float32 else 1e-13
+    torch.testing.assert_close(got, want, rtol=0, atol=eps * float(want.abs().max()))
 
 
 def _leaves(gen, dtype, *shapes, grad=True):
@@ -63,8 +70,12 @@ def test_cached_op_equals_torch_op_and_its_gradients(case, dtype):
     assert _requests() > before  # the cached path ran (forward and backward take blocks)
     ref_out, ref_grads = _grads(slow, inputs)
     assert out.dtype == dtype and torch.equal(out, ref_out)
-    for got, want in zip(grads, ref_grads):
-        assert got.shape == want.shape and torch.equal(got, want)
+    for i, (got, want) in enumerate(zip(grads, ref_grads)):
+        assert got.shape == want.shape
+        if case.startswith("linear") and i == 1:
+            _close(got, want)
+        else:
+            assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("needs", [(True, False), (False, True), (True, True)])
@@ -76,7 +87,10 @@ def test_only_the_gradients_asked_for(needs):
     out, grads = _grads(_dense.linear, [x, w])
     ref_out, ref_grads = _grads(F.linear, [x, w])
     assert torch.equal(out, ref_out) and len(grads) == sum(needs)
-    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    if needs[0]:
+        assert torch.equal(grads[0], ref_grads[0])
+    if needs[1]:
+        _close(grads[-1], ref_grads[-1])
 
 
 def test_second_derivatives_match_torch():
@@ -175,4 +189,5 @@ def test_layers_same_with_and_without_the_cached_ops(name, monkeypatch):
     finally:
         kernels.set_output_cache_limit(limit)
     assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
-    assert all(torch.equal(a, b) for a, b in zip(fast[2], slow[2]))
+    for a, b in zip(fast[2], slow[2]):  # the weights' gradients up to rounding
+        _close(a, b)
