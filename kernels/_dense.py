@@ -146,7 +146,7 @@ def relu(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x) if out is NotImplemented else out
 
 
-# -- element-wise: addcmul, add, mul ----------------------------------------------------------------
+# -- element-wise: addcmul, add, mul --------------------------------------------------------------
 class _Addcmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, t1, t2):

@@ -5,9 +5,9 @@ unmaps them on free, so each large tensor's first write page-faults once per 4 K
 project's machine that was 25-40% of a g-SpMM call (``benchmarks/fresh_memory.py``). A training
 loop allocates the same output sizes every step, so the numba backend takes its large outputs
 and scratch arrays from this cache instead, and so do the layers' dense ops of
-``kernels/_dense.py`` (outputs and gradients). A block handed out is owned by its tensor (or numpy
-array) like any other memory; when the last tensor, view or array using it is freed, the block
-comes back here instead of going back to the OS, up to :func:`set_output_cache_limit` bytes
+``kernels/_dense.py`` (outputs and gradients). A block handed out is owned by its tensor (or
+numpy array) like any other memory; when the last tensor, view or array using it is freed, the
+block comes back here instead of going back to the OS, up to :func:`set_output_cache_limit` bytes
 (default: 1/8 of physical memory, at most 4 GiB; ``NGRA_KERNEL_OUTPUT_CACHE`` in the
 environment, a byte count, sets it at import, ``0`` turns the cache off). Blocks beyond the
 limit are released, oldest first; :func:`empty_output_cache` releases them all. A request no

@@ -113,11 +113,11 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf):
     sources are scaled by ``S`` [N, 1] on the fly (each edge's row times its source's scale, in
     the register tiles of u_mul_e with the weight read through the source index instead of the
     edge id), with the destination's own scaled row (weight ``A`` [N, 1], or none if ``A`` is
-    empty), the destination scale ``C`` [N, 1] and the bias ``B`` [F] (none if empty) applied
-    to each row after its last block pass, while it is in cache (none if ``C`` is empty). The
-    graph is square (sources are destinations). Blocks as in :func:`_spmm_sum`; each row summed by one thread in CSR
-    order, the terms rounded as ``S[u] * U[u]`` first: a copy_u g-SpMM of the pre-scaled rows
-    gives the same sums."""
+    empty), the destination scale ``C`` [N, 1] (none if empty) and the bias ``B`` [F] (none if
+    empty) applied to each row after its last block pass, while it is in cache. The graph is
+    square (sources are destinations). Blocks as in :func:`_spmm_sum`; each row summed by one
+    thread in CSR order, the terms rounded as ``S[u] * U[u]`` first: a copy_u g-SpMM of the
+    pre-scaled rows gives the same sums."""
     lo = out.shape[1]
     lu = U.shape[1]
     uline = max(1, 64 // U.itemsize)
