@@ -1,4 +1,4 @@
-"""A GNN layer's vertex-wise dense ops (``Linear``, ReLU, ``addcmul``, ``+``, ``*``) with their
+"""A GNN layer's dense ops (``Linear``, ReLU, LeakyReLU, ``addcmul``, ``+``, ``*``) with their
 outputs and input gradients in the output cache (``kernels/_outcache.py``).
 
 Torch allocates every result afresh, and each large CPU tensor is new pages that page-fault on
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ._outcache import CACHE as _CACHE
 from ._outcache import MIN_BYTES
 
-__all__ = ["call", "linear", "relu", "addcmul", "add", "mul"]
+__all__ = ["call", "linear", "relu", "leaky_relu", "addcmul", "add", "mul"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -146,6 +146,37 @@ def relu(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x) if out is NotImplemented else out
 
 
+# -- LeakyReLU ------------------------------------------------------------------------------------
+class _LeakyRelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, slope):
+        ctx.save_for_backward(x)  # torch's gradient reads the input (self_is_result=False)
+        ctx.slope = slope
+        return torch.ops.aten.leaky_relu.out(x, slope, out=_CACHE.empty(tuple(x.shape), x.dtype))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return torch.ops.aten.leaky_relu_backward(g, x, ctx.slope, False), None
+        gx = _CACHE.empty(tuple(g.shape), g.dtype)
+        return torch.ops.aten.leaky_relu_backward.grad_input(g, x, ctx.slope, False,
+                                                             grad_input=gx), None
+
+
+def _leaky_relu(x, negative_slope=0.01):
+    if (isinstance(x, torch.Tensor) and isinstance(negative_slope, (int, float))
+            and not isinstance(negative_slope, bool) and usable(x.shape, x)):
+        return _LeakyRelu.apply(x, float(negative_slope))
+    return NotImplemented
+
+
+def leaky_relu(x: torch.Tensor, negative_slope: float = 0.01) -> torch.Tensor:
+    """``F.leaky_relu(x, negative_slope)``, cached."""
+    out = _leaky_relu(x, negative_slope)
+    return F.leaky_relu(x, negative_slope) if out is NotImplemented else out
+
+
 # -- element-wise: addcmul, add, mul --------------------------------------------------------------
 class _Addcmul(torch.autograd.Function):
     @staticmethod
@@ -227,17 +258,20 @@ def mul(a, b):
 
 
 # -- what the interpreter calls -------------------------------------------------------------------
-# each: (its cached form, returning NotImplemented where it does not apply; fewest and most
-# positional operands)
-_LINEAR = (_linear, 2, 3)
-_RELU = (_relu, 1, 1)
-_ADDCMUL = (lambda a, t1, t2: _elementwise(_Addcmul, a, t1, t2), 3, 3)
-_ADD = (lambda a, b: _elementwise(_Add, a, b), 2, 2)
-_MUL = (lambda a, b: _elementwise(_Mul, a, b), 2, 2)
-_FUNCTIONS = {F.linear: _LINEAR, torch.relu: _RELU, F.relu: _RELU, torch.addcmul: _ADDCMUL,
-              torch.add: _ADD, operator.add: _ADD, torch.mul: _MUL, operator.mul: _MUL}
-_METHODS = {"relu": _RELU, "add": _ADD, "mul": _MUL, "addcmul": _ADDCMUL, "__add__": _ADD,
-            "__mul__": _MUL}
+# each: its cached form (returning NotImplemented where it does not apply) and the names of its
+# parameters by position (the first ``required`` of them required); ``inplace`` may be given as
+# False to the functions that take it
+_LINEAR = (_linear, ("input", "weight", "bias"), 2)
+_RELU = (_relu, ("input",), 1)
+_LEAKY = (_leaky_relu, ("input", "negative_slope"), 1)
+_ADDCMUL = (lambda a, t1, t2: _elementwise(_Addcmul, a, t1, t2), ("input", "tensor1", "tensor2"), 3)
+_ADD = (lambda a, b: _elementwise(_Add, a, b), ("input", "other"), 2)
+_MUL = (lambda a, b: _elementwise(_Mul, a, b), ("input", "other"), 2)
+_FUNCTIONS = {F.linear: _LINEAR, torch.relu: _RELU, F.relu: _RELU, F.leaky_relu: _LEAKY,
+              torch.addcmul: _ADDCMUL, torch.add: _ADD, operator.add: _ADD, torch.mul: _MUL,
+              operator.mul: _MUL}
+_METHODS = {"relu": _RELU, "add": _ADD, "mul": _MUL, "addcmul": _ADDCMUL}
+_INPLACE_ARG = (F.relu, F.leaky_relu)
 
 
 def _hooked(m: torch.nn.Module) -> bool:
@@ -260,11 +294,23 @@ def call(kind: str, target, args: tuple, kwargs: dict):
             return _linear(args[0], target.weight, target.bias)
         if type(target) is torch.nn.ReLU and not target.inplace:
             return _relu(args[0])
+        if type(target) is torch.nn.LeakyReLU and not target.inplace:
+            return _leaky_relu(args[0], target.negative_slope)
         return NotImplemented
     entry = (_FUNCTIONS if kind == "function" else _METHODS).get(target)
-    if entry is None or (kwargs and not (target is F.relu and kwargs == {"inplace": False})):
+    if entry is None:
         return NotImplemented
-    fn, lo, hi = entry
-    if not lo <= len(args) <= hi:
+    fn, names, required = entry
+    kwargs = dict(kwargs)
+    if target in _INPLACE_ARG and kwargs.pop("inplace", False) is not False:
+        return NotImplemented
+    if len(args) > len(names) or any(k not in names[len(args):] for k in kwargs):
+        return NotImplemented  # more operands or keywords than the cached form has
+    args = list(args)
+    for name in names[len(args):]:
+        if name not in kwargs:
+            break
+        args.append(kwargs.pop(name))
+    if kwargs or len(args) < required:  # a keyword after a gap: torch's own call sorts it out
         return NotImplemented
     return fn(*args)

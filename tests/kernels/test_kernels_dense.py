@@ -49,6 +49,8 @@ CASES = {
     "linear": (_dense.linear, F.linear, [(N, 32), (64, 32), (64,)]),
     "linear, no bias": (_dense.linear, F.linear, [(N, 32), (64, 32)]),
     "relu": (_dense.relu, torch.relu, [(N, 64)]),
+    "leaky_relu": (lambda x: _dense.leaky_relu(x, 0.2), lambda x: F.leaky_relu(x, 0.2), [(N, 64)]),
+    "leaky_relu, edge scores": (_dense.leaky_relu, F.leaky_relu, [(16 * N, 4)]),
     "addcmul, scalar weight": (_dense.addcmul, torch.addcmul, [(N, 64), (1,), (N, 64)]),
     "addcmul, column weight": (_dense.addcmul, torch.addcmul, [(N, 64), (N, 1), (N, 64)]),
     "addcmul, broadcast bias": (_dense.addcmul, torch.addcmul, [(64,), (N, 64), (N, 1)]),
@@ -138,6 +140,37 @@ def test_module_hooks_keep_the_module_call():
     assert out is not NotImplemented and out.shape == (N, 64) and not seen
 
 
+def test_call_takes_torch_s_argument_forms():
+    """Keywords and defaults as torch's functions take them; forms the cached op does not have
+    (in place, alpha, more operands) are left to torch."""
+    gen = torch.Generator().manual_seed(7)
+    x, w, b, y = (torch.randn(*s, generator=gen) for s in ((N, 64), (64, 64), (64,), (N, 64)))
+    taken = [
+        (("function", F.leaky_relu, (x,), {"negative_slope": 0.3}), F.leaky_relu(x, 0.3)),
+        (("function", F.leaky_relu, (x,), {}), F.leaky_relu(x)),
+        (("function", F.leaky_relu, (x, 0.1), {"inplace": False}), F.leaky_relu(x, 0.1)),
+        (("module", torch.nn.LeakyReLU(0.25), (x,), {}), F.leaky_relu(x, 0.25)),
+        (("function", F.linear, (x, w), {"bias": b}), F.linear(x, w, b)),
+        (("function", F.linear, (x,), {"weight": w}), F.linear(x, w)),
+        (("function", torch.addcmul, (b, x, y), {}), torch.addcmul(b, x, y)),
+        (("method", "add", (x, y), {}), x.add(y)),
+        (("method", "mul", (x, y), {}), x.mul(y)),
+    ]
+    for args, want in taken:
+        got = _dense.call(*args)
+        assert got is not NotImplemented and torch.equal(got, want), args[:2]
+    left = [("function", F.leaky_relu, (x, 0.2), {"inplace": True}),
+            ("function", F.leaky_relu, (x, 0.2, False), {}),
+            ("module", torch.nn.LeakyReLU(inplace=True), (x,), {}),
+            ("function", torch.add, (x, y), {"alpha": 2}),
+            ("method", "add", (x, y), {"alpha": 2}),
+            ("function", torch.addcmul, (b, x, y), {"value": 2}),
+            ("function", F.linear, (x,), {"bias": b}),  # no weight
+            ("function", torch.sub, (x, y), {})]
+    for args in left:
+        assert _dense.call(*args) is NotImplemented, args[:2]
+
+
 def test_cache_off_gives_torch_ops():
     x = torch.randn(N, 64)
     limit = kernels.output_cache_limit()
@@ -156,12 +189,13 @@ def _layer_run(layer, g, x):
     return out.detach(), gx, gp
 
 
-@pytest.mark.parametrize("name", ["gin", "sage", "gcn"])
+@pytest.mark.parametrize("name", ["gin", "sage", "gcn", "gat"])
 def test_layers_same_with_and_without_the_cached_ops(name, monkeypatch):
     """A whole layer through ngra's interpreter (GIN's MLP, GraphSAGE's two linears and sum,
-    GCN's W x): the cache on (the dense ops take the cached path) and off (torch's ops)."""
+    GCN's W x, GAT's LeakyReLU of the edge scores): the cache on (the dense ops take the cached
+    path) and off (torch's ops)."""
     from ngra import Graph
-    from ngra.nn import GCNConv, GINConv, SAGEConv
+    from ngra.nn import GATConv, GCNConv, GINConv, SAGEConv
     gen = torch.Generator().manual_seed(2)
     n, f = N, 96
     src, dst = torch.randint(0, n, (8 * n,), generator=gen), torch.randint(0, n, (8 * n,), generator=gen)
@@ -170,7 +204,9 @@ def test_layers_same_with_and_without_the_cached_ops(name, monkeypatch):
     torch.manual_seed(0)
     layer = {"gin": lambda: GINConv(torch.nn.Sequential(torch.nn.Linear(f, 64), torch.nn.ReLU(),
                                                         torch.nn.Linear(64, 64))),
-             "sage": lambda: SAGEConv(f, 64), "gcn": lambda: GCNConv(f, 64)}[name]()
+             "sage": lambda: SAGEConv(f, 64), "gcn": lambda: GCNConv(f, 64),
+             # 8 heads: its [E, 8] edge scores (about 37K edges) pass 1 MiB for LeakyReLU
+             "gat": lambda: GATConv(f, 8, heads=8)}[name]()
     x = torch.randn(n, f, generator=gen, requires_grad=True)
     taken = []
     call = _dense.call
@@ -181,7 +217,9 @@ def test_layers_same_with_and_without_the_cached_ops(name, monkeypatch):
         return out
     monkeypatch.setattr(_dense, "call", counted)
     fast = _layer_run(layer, g, x)
-    assert sum(taken) >= (3 if name == "gin" else 1)  # GIN: its MLP's linear, relu, linear
+    # GIN: its MLP's Linear, ReLU, Linear; GraphSAGE: two linears (+ the sum); GCN: W x; GAT:
+    # its Linear, LeakyReLU, + bias
+    assert sum(taken) >= {"gin": 3, "sage": 2, "gcn": 1, "gat": 3}[name]
     limit = kernels.output_cache_limit()
     kernels.set_output_cache_limit(0)
     try:
