@@ -22,9 +22,9 @@ overridable method per kind of op:
   method named by ``n.op``, else ``graph_op`` for the ops of ``GRAPH_OPS``;
 - ``input``: a vertex or edge field of ``vdata`` / ``edata``; ``get_attr``: a parameter or buffer
   of the layer; ``const``: the node's value; ``call_module``, ``call_function``,
-  ``call_method``: the call (a ``Linear``, ReLU, ``addcmul``, ``+`` or ``*`` whose result is a
-  large CPU tensor through ``kernels._dense``: torch's values, its output and gradients in the
-  kernels' output cache instead of fresh pages); ``graph_op``: the graph op on
+  ``call_method``: the call (a ``Linear``, (Leaky)ReLU, ``addcmul``, ``+`` or ``*`` whose
+  result is a large CPU tensor through ``kernels._dense``: torch's values, its output and
+  gradients in the kernels' output cache instead of fresh pages); ``graph_op``: the graph op on
   :class:`GraphOps` ``ops``;
 - ``edge_dropout(n, args, kwargs)``: dropout of an edge value with the mask of
   :func:`edge_dropout` (the nodes that have a seed in ``rng``, see :class:`EdgeRandom`);
