@@ -24,6 +24,8 @@ import operator
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as mm
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ._outcache import CACHE as _CACHE
 from ._outcache import MIN_BYTES
@@ -59,16 +61,16 @@ def usable(shape, *tensors) -> bool:
         return False
     if torch._C._is_torch_function_mode_enabled():
         return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
     return _get_current_dispatch_mode() is None
 
 
-def _out(fn, shape, dtype, *args, **kwargs):
-    """``fn(*args, **kwargs)`` into a cached block; under grad mode (a backward with
-    ``create_graph=True``) a plain differentiable call."""
+def _out(fn, shape, dtype, *args, out_name="out"):
+    """``fn(*args)`` into a cached block (passed as ``out_name``: ``grad_input`` for aten's
+    backward ops); under grad mode (a backward with ``create_graph=True``) a plain
+    differentiable call."""
     if torch.is_grad_enabled():
-        return fn(*args, **kwargs)
-    return fn(*args, **kwargs, out=_CACHE.empty(tuple(shape), dtype))
+        return fn(*args)
+    return fn(*args, **{out_name: _CACHE.empty(tuple(shape), dtype)})
 
 
 def _reduce(g: torch.Tensor, shape) -> torch.Tensor:
@@ -130,10 +132,8 @@ class _Relu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         out, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            return torch.ops.aten.threshold_backward(g, out, 0)
-        gx = _CACHE.empty(tuple(g.shape), g.dtype)
-        return torch.ops.aten.threshold_backward.grad_input(g, out, 0, grad_input=gx)
+        return _out(torch.ops.aten.threshold_backward, g.shape, g.dtype, g, out, 0,
+                    out_name="grad_input")
 
 
 def _relu(x):
@@ -152,16 +152,13 @@ class _LeakyRelu(torch.autograd.Function):
     def forward(ctx, x, slope):
         ctx.save_for_backward(x)  # torch's gradient reads the input (self_is_result=False)
         ctx.slope = slope
-        return torch.ops.aten.leaky_relu.out(x, slope, out=_CACHE.empty(tuple(x.shape), x.dtype))
+        return _out(torch.ops.aten.leaky_relu, x.shape, x.dtype, x, slope)
 
     @staticmethod
     def backward(ctx, g):
         x, = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            return torch.ops.aten.leaky_relu_backward(g, x, ctx.slope, False), None
-        gx = _CACHE.empty(tuple(g.shape), g.dtype)
-        return torch.ops.aten.leaky_relu_backward.grad_input(g, x, ctx.slope, False,
-                                                             grad_input=gx), None
+        return _out(torch.ops.aten.leaky_relu_backward, g.shape, g.dtype, g, x, ctx.slope, False,
+                    out_name="grad_input"), None
 
 
 def _leaky_relu(x, negative_slope=0.01):
@@ -276,7 +273,6 @@ _INPLACE_ARG = (F.relu, F.leaky_relu)
 
 def _hooked(m: torch.nn.Module) -> bool:
     """Whether calling ``m`` runs hooks (its own or global ones) that the cached form would skip."""
-    from torch.nn.modules import module as mm
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
                 or m._backward_pre_hooks or mm._global_forward_hooks
                 or mm._global_forward_pre_hooks or mm._global_backward_hooks
