@@ -97,13 +97,25 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = _out(torch.mm, (g.shape[0], weight.shape[1]), g.dtype, g, weight)
         if ctx.needs_input_grad[1]:
-            # (x^T g)^T: the sums of torch's g^T x in another order (equal up to rounding),
-            # and a faster GEMM for a long, narrow x: [18K, 6805] x [18K, 64] 264 -> 184 ms,
-            # [1M, 128] x [1M, 64] 160 -> 137 ms, [1M, 64] x [1M, 16] 57 -> 45 ms
-            gw = x.t().mm(g).t().contiguous()
+            gw = _weight_grad(x, g)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.sum(0)
         return gx, gw, gb
+
+
+def _weight_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A Linear's weight gradient ``g^T x`` ([out, in]) for a long ``x`` [N, in], ``g`` [N, out].
+
+    The GEMM ``a^T b`` over a long N is fast when ``b`` has at least ~16 columns and several
+    times slower when it is narrow and ``a`` wide (MKL, 2 cores, N = 1M: [1M, 64]^T [1M, 4]
+    233 ms against 31 ms the other way, which GAT's per-head score projections hit). So
+    ``(x^T g)^T`` where ``g`` is wide enough (the same sums in another order, equal up to
+    rounding, and faster for a long, narrow x: [18K, 6805] / [18K, 64] 144 -> 122 ms, [1M, 64] /
+    [1M, 16] 46 -> 41 ms) and torch's ``g^T x`` otherwise (``benchmarks/gemm_orientation.py``).
+    """
+    if g.shape[1] >= min(x.shape[1], 16):
+        return x.t().mm(g).t().contiguous()
+    return g.t().mm(x)
 
 
 def _linear(x, weight, bias=None):
