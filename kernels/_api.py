@@ -164,9 +164,10 @@ class _GSpMM(torch.autograd.Function):
                     return None, None, None, None, reduce_to(gu, ctx.fu), None
                 g = g / deg.view((-1,) + (1,) * (g.dim() - 1))
             if (need_u and need_e and binop == "mul" and hasattr(mod, "spmm_mul_grads")
-                    and math.prod(ctx.fe) == 1 and ctx.fu == tuple(g.shape[1:])):
-                # one weight per edge (GCN-style edge weights being learned): both gradients
-                # from one pass over the transposed CSR (numba backend)
+                    and ctx.fu == tuple(g.shape[1:]) and _weight_per_head(ctx.fu, ctx.fe, g)):
+                # one weight per edge (GCN-style edge weights being learned) or per edge and
+                # head (GAT's attention): both gradients from one pass over the transposed CSR
+                # (numba backend; GAT on R-MAT 1M / 16M, 4 heads x 16: 650 -> 480 ms)
                 gu, ge = mod.spmm_mul_grads(csr, g, u, e)
             else:
                 gu = _spmm_sum_grad_u(csr, mod, binop, g, e) if need_u else None
@@ -178,6 +179,15 @@ class _GSpMM(torch.autograd.Function):
             # can be applied after the reduction.
             ge = -ge / (e * e)
         return None, None, None, None, gu, ge
+
+
+def _weight_per_head(fu, fe, g) -> bool:
+    """Whether e (features ``fe``) holds one weight per edge (one element) or per edge and head
+    against u's [H, C] features (``fe`` = (H, 1)) with heads of at least 32 bytes (narrower ones
+    run the two separate kernels faster than a pass per head)."""
+    if math.prod(fe) == 1:
+        return True
+    return len(fu) == 2 and fe == (fu[0], 1) and fu[1] * g.element_size() >= 32
 
 
 def _spmm_sum_grad_u(csr, mod, binop, g, e):

@@ -250,19 +250,20 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
 
 def spmm_mul_grads(csr, g, u, e):
     """Gradients w.r.t. u and e of ``gspmm(csr, "mul", "sum", u, e)`` with one weight per edge
-    (e's features have one element), both from one pass over the transposed CSR
-    (:func:`_spmm_mul_grads`). ``g`` is the output gradient (already divided by the in-degree for
-    the mean). Returns ``(grad_u, grad_e)`` in u's and e's shapes."""
+    (e's features have one element) or per edge and head (u [N, H, C], e [E, H, 1]), both from one
+    pass over the transposed CSR (:func:`_spmm_mul_grads`). ``g`` is the output gradient (already
+    divided by the in-degree for the mean). Returns ``(grad_u, grad_e)`` in u's and e's shapes."""
     _check_dtype(g, u, e)
     t = csr.transpose()
     parts = _arrays(t)[0]
     lo = math.prod(u.shape[1:])
-    G, U, W = _flat(g, csr.num_dst), _flat(u, csr.num_src), _flat(e, csr.num_edges)
+    G, U = _flat(g, csr.num_dst), _flat(u, csr.num_src)
+    W = _flat(e, csr.num_edges)  # [E, H]
     row_bytes = lo * G.itemsize
     nblk = _gather_blocks(t, row_bytes, row_bytes)
     bptr, bind, beids = _blocked(t, nblk)
     gu = _CACHE.empty((csr.num_src, lo), g.dtype)
-    ge = _CACHE.empty((csr.num_edges, 1), g.dtype)
+    ge = _CACHE.empty((csr.num_edges, W.shape[1]), g.dtype)
     _launch(_spmm_mul_grads, parts, bptr, nblk, bind, beids, G, W, U, gu.numpy(), ge.numpy(),
             _prefetch_distance(row_bytes))
     return gu.reshape(u.shape), ge.reshape(e.shape)

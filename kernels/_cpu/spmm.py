@@ -1,6 +1,6 @@
 """g-SpMM kernels, forward and backward: sum/mean (:func:`_spmm_sum`) and max/min with the
 winning edges (:func:`_spmm_maxmin`), both in source blocks where the host asks; both gradients of
-u_mul_e/sum with one weight per edge in one pass over the transposed CSR
+u_mul_e/sum with one weight per edge (or per edge and head) in one pass over the transposed CSR
 (:func:`_spmm_mul_grads`); the scaled sum of GCN's normalized propagation, with its self loop,
 destination scale and bias in the same pass (:func:`_spmm_norm`, which is its own gradient on
 the transposed CSR); the max/min gradients w.r.t. the edge operand (:func:`_maxmin_grad_e`)
@@ -157,22 +157,30 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _spmm_mul_grads(tparts, tbptr, nblk, tindices, teids, G, W, U, GU, GE, pf):
-    """Gradients w.r.t. u and the per-edge weight of ``out = u_mul_e/sum(u, e)``, parallel over
-    the rows of the transposed CSR (sources) in ``nblk`` blocks of destinations (layout as in
-    :func:`_spmm_sum`). Each GU row is summed by one thread in a fixed order and each GE entry is
-    written by the one pass holding its edge: deterministic without atomics."""
+    """Gradients w.r.t. u and the weights of ``out = u_mul_e/sum(u, e)`` with one weight per edge
+    and head, ``W`` [E, H] against rows of H heads of ``GU.shape[1] // H`` features (H = 1: one
+    weight per edge; GAT's aggregation: u [N, H, C] * e [E, H, 1]), parallel over the rows of
+    the transposed CSR (sources) in ``nblk`` blocks of destinations (layout as in
+    :func:`_spmm_sum`). A row runs one register-tile pass per head over that head's columns (the
+    later passes find the row's G rows in cache). Each GU row is summed by one thread in a fixed
+    order and each GE entry is written by the one pass holding its edge: deterministic without
+    atomics."""
     ns = GU.shape[0]
-    lo = GU.shape[1]
+    heads = W.shape[1]
+    inner = GU.shape[1] // heads
     for blk in range(nblk):
         base = blk * ns
         for p in prange(tparts.size - 1):
             pend = tbptr[base + tparts[p + 1]]
             for s in range(tparts[p], tparts[p + 1]):
                 if blk == 0:
-                    for f in range(lo):
+                    for f in range(GU.shape[1]):
                         GU[s, f] = 0
-                _tile_mul_grad(G, tindices, W, teids, U, s, GE, tbptr[base + s],
-                               tbptr[base + s + 1], GU, pf, pend)
+                for h in range(heads):
+                    a = h * inner
+                    _tile_mul_grad(G[:, a:a + inner], tindices, W[:, h:h + 1], teids,
+                                   U[:, a:a + inner], s, GE[:, h:h + 1], tbptr[base + s],
+                                   tbptr[base + s + 1], GU[:, a:a + inner], pf, pend)
 
 
 @njit(inline="always")

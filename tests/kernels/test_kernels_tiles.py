@@ -113,14 +113,19 @@ def test_tile_sum_is_bitwise_the_sequential_sum(op):
 @pytest.mark.parametrize("nblk", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fused_mul_grads_widths(monkeypatch, nblk, dtype):
-    """u_mul_e/sum|mean with one weight per edge: both gradients come from the fused pass over
-    the transposed CSR (_spmm_mul_grads); they match the torch backend's gradients."""
+    """u_mul_e/sum|mean with one weight per edge, or per edge and head (u [N, H, C], e [E, H,
+    1], heads of >= 32 bytes): both gradients come from the fused pass over the transposed CSR
+    (_spmm_mul_grads); they match the torch backend's gradients. Narrower heads take the two
+    separate kernels."""
     monkeypatch.setattr(_numba_cpu, "_FORCE_BLOCKS", nblk)
     calls = []
     fused = _numba_cpu.spmm_mul_grads
     monkeypatch.setattr(_numba_cpu, "spmm_mul_grads", lambda *a: calls.append(1) or fused(*a))
     csr = _graph(torch.int32)
     shapes = [((f,), (1,)) for f in WIDTHS] + [((16,), ()), ((2, 8), (1, 1)), ((), ())]
+    heads = [((4, 16), (4, 1)), ((3, 8), (3, 1)), ((2, 13), (2, 1)), ((2, 67), (2, 1))]
+    narrow = [((4, 2), (4, 1)), ((3, 7), (3, 1)) if dtype == torch.float32 else ((3, 3), (3, 1))]
+    shapes += heads + narrow
     for i, (fu, fe) in enumerate(shapes):
         for reduce in ("sum", "mean"):
             u = rand((csr.num_src,) + fu, dtype, i).requires_grad_(True)
@@ -134,13 +139,14 @@ def test_fused_mul_grads_widths(monkeypatch, nblk, dtype):
             for a, b in zip(got, want):
                 assert a.shape == b.shape
                 assert torch.allclose(a, b, **_tol(dtype)), (fu, fe, reduce)
-    assert len(calls) == 2 * len(shapes)
+    assert len(calls) == 2 * (len(shapes) - len(narrow))
 
 
-def test_fused_mul_grads_gradcheck():
+@pytest.mark.parametrize("fu, fe", [((5,), (1,)), ((3, 4), (3, 1))])
+def test_fused_mul_grads_gradcheck(fu, fe):
     csr = _graph(torch.int64)
-    u = rand((csr.num_src, 5), torch.float64, 0).requires_grad_(True)
-    e = rand((csr.num_edges, 1), torch.float64, 1).requires_grad_(True)
+    u = rand((csr.num_src,) + fu, torch.float64, 0).requires_grad_(True)
+    e = rand((csr.num_edges,) + fe, torch.float64, 1).requires_grad_(True)
     assert torch.autograd.gradcheck(
         lambda a, b: kernels.gspmm(csr, "u_mul_e", "sum", u=a, e=b, backend="numba"), (u, e))
 
