@@ -43,7 +43,12 @@ ngra`` sets) and glibc's default allocator settings.
   indices, each edge gathers its source row, the output written once), a g-SDDMM ``E (8 + 4F) +
   4NF``, an edge softmax ``E (4 + 8F)``; backward runs the transposed g-SpMM for the input
   gradient (and a g-SDDMM for an edge-weight gradient). It counts neither element-wise dense work
-  nor the optimizer: a floor, not a model.
+  nor the optimizer: a floor, not a model. The rates are measured twice: once per graph before
+  its workers (the header's figures), and by every ngra worker right after its timed epochs (and
+  after its memory figures were read), in the same process; the table's roofline is the one of
+  ngra's median round at its own worker's rates, so that a change of pace of the shared machine
+  between the first probe and that worker does not enter the ratio (each round's ratio is
+  printed too).
 
 With ``--rounds R`` every (graph, model, framework) runs in R workers, the frameworks taking
 turns (in reverse order every other round); the table then gives each framework's median round
@@ -225,6 +230,12 @@ def worker(spec_path):
                epoch_peak=hwm - loaded, peak_rss=max(hwm_warmup, hwm),
                ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                torch=torch.__version__)
+    if spec["framework"] == "ngra":
+        # the machine's rates now, in this process, after the memory figures above were read:
+        # this run's roofline, which the rates measured once at the start miss when the shared
+        # machine changes pace between workers
+        rates = machine_rates(int(data["num_nodes"]))
+        rec.update(worker_gemm_rate=rates["gemm_rate"], worker_copy_rate=rates["copy_rate"])
     Path(spec["out"]).write_text(json.dumps(rec))
 
 
@@ -428,6 +439,9 @@ def main(argv=None):
                             "epochs": args.epochs, "warmup": args.warmup}
                     python = args.dgl_python if fw == "dgl" else sys.executable
                     r = run_worker(python, spec, work, args.timeout)
+                    if "worker_gemm_rate" in r:
+                        r["worker_roofline_s"] = roof["flops"] / r["worker_gemm_rate"] \
+                            + roof["graph_bytes"] / r["worker_copy_rate"]
                     runs[fw].append(r)
                     rows.append(dict(graph=graph, N=st["N"], E=st["E"], model=name, framework=fw,
                                      round=rnd, roofline_s=roof_s, gemm_flops=roof["flops"],
@@ -438,6 +452,10 @@ def main(argv=None):
                                              f"opt {_fmt_s(r['optimizer'])}); peak RSS {_gib(r['peak_rss'])} GiB "
                                              f"(loaded {_gib(r['loaded'])}, epoch peak +{_gib(r['epoch_peak'])}); "
                                              f"loss {r['loss']:.4f}")
+                    if "worker_roofline_s" in r and "error" not in r:
+                        msg += (f"; roofline {_fmt_s(r['worker_roofline_s'])} s at this worker's "
+                                f"GEMM {r['worker_gemm_rate'] / 1e9:.1f} GFLOP/s, copy "
+                                f"{r['worker_copy_rate'] / 1e9:.1f} GB/s")
                     tag = f" r{rnd}" if args.rounds > 1 else ""
                     print(f"  {MODELS[name]:9s} {fw:4s}{tag}: {msg}", flush=True)
             recs = {fw: _median_run(rs) for fw, rs in runs.items()}
@@ -450,12 +468,20 @@ def main(argv=None):
                             print(f"  {MODELS[name]:9s} ngra/{fw} time per round: "
                                   f"{', '.join(f'{v:.2f}' for v in per)} (median "
                                   f"{float(np.median(per)):.2f})")
-            _summary_row(graph, name, recs, roof_s)
+            if args.rounds > 1 and "ngra" in runs:
+                per = [r["epoch"] / r["worker_roofline_s"] for r in runs["ngra"]
+                       if "error" not in r and "worker_roofline_s" in r]
+                if per:
+                    print(f"  {MODELS[name]:9s} ngra/roofline per round (each worker's own "
+                          f"probe): {', '.join(f'{v:.2f}' for v in per)}")
+            ngra_rec = recs.get("ngra") or {}
+            _summary_row(graph, name, recs, ngra_rec.get("worker_roofline_s", roof_s))
     _table(rows)
     with open(out / "e2e.csv", "w", newline="") as f:
         keys = ["graph", "N", "E", "model", "framework", "round", "epoch", "fwd_dense", "fwd_graph", "backward",
                 "optimizer", "peak_rss", "loaded", "epoch_peak", "ru_maxrss", "loss", "roofline_s", "gemm_flops",
-                "graph_bytes", "gemm_rate", "copy_rate", "torch", "error"]
+                "graph_bytes", "gemm_rate", "copy_rate", "worker_roofline_s", "worker_gemm_rate",
+                "worker_copy_rate", "torch", "error"]
         w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(keys)), extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
