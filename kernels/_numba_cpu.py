@@ -24,7 +24,8 @@ import torch
 from ._cpu.blocking import _SDDMM_MODEL, _block_csr, _hot_sources, _num_blocks
 from ._cpu.codes import (M_BLOCK_E, M_COPY_E, M_COPY_U, M_GENERIC, S_COPY, S_DOT, S_DOT_BLOCKS,
                          S_DOT_ROW, S_GENERIC, S_SAME)
-from ._cpu.softmax import _edge_dst, _edge_softmax, _edge_softmax_backward
+from ._cpu.softmax import (_edge_dst, _edge_softmax, _edge_softmax_backward,
+                          _edge_softmax_backward_rows)
 from ._cpu.sddmm import _sddmm, _sddmm_uv
 from ._cpu.spmm import (_maxmin_grad_e, _maxmin_grad_u, _spmm_maxmin, _spmm_mul_grads, _spmm_norm,
                         _spmm_sum)
@@ -424,6 +425,16 @@ def _edge_dsts(csr):
     return cache["numba_edge_dst"]
 
 
+def _csr_ordered(csr) -> bool:
+    """Whether edge k is CSR position k (``eids`` is 0..E-1; cached on the CSR)."""
+    cache = csr._backend_cache
+    if "numba_csr_ordered" not in cache:
+        eids = _arrays(csr)[3]
+        cache["numba_csr_ordered"] = bool(
+            np.array_equal(eids, np.arange(eids.size, dtype=eids.dtype)))
+    return cache["numba_csr_ordered"]
+
+
 def edge_softmax(csr, scores):
     _check_dtype(scores)
     parts, indptr, _, eids = _arrays(csr)
@@ -441,6 +452,10 @@ def edge_softmax_backward(csr, y, grad_y):
     _check_dtype(y, grad_y)
     parts, indptr, _, eids = _arrays(csr)
     gs = _CACHE.empty(y.shape, y.dtype)
+    if _csr_ordered(csr):
+        _launch(_edge_softmax_backward_rows, parts, indptr, _flat(y, csr.num_edges),
+                _flat(grad_y, csr.num_edges), _flat(gs, csr.num_edges))
+        return gs
     _launch(_edge_softmax_backward, parts, indptr, eids, _edge_dsts(csr), _flat(y, csr.num_edges),
             _flat(grad_y, csr.num_edges), _flat(gs, csr.num_edges),
             _prefetch_distance(math.prod(y.shape[1:]) * y.element_size()))

@@ -59,3 +59,37 @@ def test_masked_scores(heads):
     for other in ("torch", "numba_cuda"):
         for a, b in zip(outs["numba"], outs[other]):
             torch.testing.assert_close(a, b, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("heads", [(), (4,), (2, 3)])
+def test_csr_ordered_backward_is_the_general_kernel_s(monkeypatch, heads, dtype):
+    """Edges numbered in CSR order (GAT's graph with self loops) take the one-pass backward over
+    each destination's contiguous rows: bitwise the general three-pass kernel's gradient, and the
+    torch reference's up to rounding (hub rows and vertices without in-edges included)."""
+    from kernels import _numba_cpu
+
+    c = _power_law()
+    dst = torch.repeat_interleave(torch.arange(c.num_dst), c.in_degrees().long())
+    # already grouped by destination; vertices 500-599 get no in-edges
+    csr = CSR.from_coo(c.indices.long(), dst, c.num_dst + 100)
+    assert torch.equal(csr.eids.long(), torch.arange(csr.num_edges)) and _numba_cpu._csr_ordered(csr)
+    assert int(csr.in_degrees().max()) > 1000 and int((csr.in_degrees() == 0).sum()) > 0
+    gen = torch.Generator().manual_seed(2)
+    s = (torch.randn((csr.num_edges,) + heads, generator=gen, dtype=torch.float64) * 4).to(dtype)
+    g = torch.randn(s.shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    def grad(backend):
+        x = s.clone().requires_grad_()
+        return torch.autograd.grad(kernels.edge_softmax(csr, x, backend=backend), x, g)[0]
+
+    calls = []
+    rows = _numba_cpu._edge_softmax_backward_rows
+    monkeypatch.setattr(_numba_cpu, "_edge_softmax_backward_rows",
+                        lambda *a: calls.append(1) or rows(*a))
+    fast = grad("numba")
+    assert calls == [1]
+    monkeypatch.setattr(_numba_cpu, "_csr_ordered", lambda csr: False)
+    assert torch.equal(fast, grad("numba")) and calls == [1]
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+    torch.testing.assert_close(fast, grad("torch"), rtol=tol, atol=tol)
