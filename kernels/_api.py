@@ -84,7 +84,40 @@ def gspmm(csr, op, reduce, u=None, e=None, backend="auto"):
     check_same_dtype(u=u, e=e)
     out_feat_shape(binop, _feat(u), _feat(e))  # raises on shapes that do not broadcast
     mod = _backend.resolve(backend, csr.device, (u if u is not None else e).dtype)
-    return _GSpMM.apply(csr, mod, binop, reduce, u, e)
+    base = _reshaped_base(u)
+    if base is not None:
+        # u is a reshape of a tensor (GAT's z.view(-1, H, C)): that tensor goes in, reshaped
+        # inside, so autograd makes no view node for u. Torch accumulates a gradient into the
+        # output of such a node out of place (it is a view of the node's input gradient): GAT's
+        # [N, H*C] projection, which also feeds the attention scores, got a fresh [N, 64] sum
+        # per layer and step (R-MAT 1M: a 256 MiB allocation, 27-460 ms with its page faults).
+        return _GSpMM.apply(csr, mod, binop, reduce, base, e, tuple(u.shape))
+    return _GSpMM.apply(csr, mod, binop, reduce, u, e, None)
+
+
+def _reshaped_base(x):
+    """The tensor ``x`` is a reshape-view of (same memory, both contiguous, the same autograd
+    leaf-ness), or None."""
+    if x is None or x._base is None:
+        return None
+    b = x._base
+    if (b.requires_grad == x.requires_grad and b.is_contiguous() and x.is_contiguous()
+            and b.numel() == x.numel() and b.data_ptr() == x.data_ptr() and b.dtype == x.dtype
+            and b.shape != x.shape and b.dim() >= 1 and b.shape[0] == x.shape[0]):
+        return b
+    return None
+
+
+def _as_shape(t, shape):
+    """``t`` in ``shape``: ``t`` itself, the contiguous tensor it is a reshape-view of (not a view:
+    autograd can then accumulate into it in place), or a reshape."""
+    if tuple(t.shape) == tuple(shape):
+        return t
+    b = t._base
+    if (b is not None and tuple(b.shape) == tuple(shape) and b.is_contiguous()
+            and t.is_contiguous() and b.data_ptr() == t.data_ptr()):
+        return b
+    return t.reshape(shape)
 
 
 def _keep_csr(ctx, csr, *tensors):
@@ -120,7 +153,13 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 class _GSpMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, csr, mod, binop, reduce, u, e):
+    def forward(ctx, csr, mod, binop, reduce, u, e, u_shape):
+        # u_shape: u is given as the tensor it is a reshape of (see gspmm)
+        ctx.u_shape = u_shape
+        ctx.u_in_shape = tuple(u.shape) if u_shape is not None else None
+        u_in = u
+        if u_shape is not None:
+            u = u.view(u_shape)
         # The arg-max/min edge is only needed to route gradients.
         need_arg = reduce in ("max", "min") and any(ctx.needs_input_grad[4:6])
         ctx.mod, ctx.binop, ctx.reduce = mod, binop, reduce
@@ -130,7 +169,7 @@ class _GSpMM(torch.autograd.Function):
             # gradient of e of a product, e only for a product's or quotient's): saving u of a
             # copy_u kept a whole [N, F] input alive until backward for nothing.
             need_u, need_e = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
-            keep_u = u if need_e and binop in ("mul", "div") else None
+            keep_u = u_in if need_e and binop in ("mul", "div") else None
             keep_e = e if (need_u and binop in ("mul", "div")) or (need_e and binop == "div") \
                 else None
             # Saved before the kernel runs: when this call is recomputed under non-reentrant
@@ -138,13 +177,22 @@ class _GSpMM(torch.autograd.Function):
             _keep_csr(ctx, csr, keep_u, keep_e, None)
             return mod.spmm(csr, binop, reduce, u, e, need_arg=False)[0]
         out, arg = mod.spmm(csr, binop, reduce, u, e, need_arg=True)
-        _keep_csr(ctx, csr, u, e, arg)
+        _keep_csr(ctx, csr, u_in, e, arg)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
+        gu, ge = _GSpMM._grads(ctx, grad_out)
+        if gu is not None and ctx.u_in_shape is not None:
+            gu = _as_shape(gu, ctx.u_in_shape)
+        return None, None, None, None, gu, ge, None
+
+    @staticmethod
+    def _grads(ctx, grad_out):
         csr, (u, e, arg) = _restore_csr(ctx)
+        if u is not None and ctx.u_shape is not None:
+            u = u.view(ctx.u_shape)
         mod, binop, reduce = ctx.mod, ctx.binop, ctx.reduce
         need_u, need_e = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         g = grad_out.contiguous()
@@ -161,7 +209,7 @@ class _GSpMM(torch.autograd.Function):
                     # 22-28 ms and a fresh tensor)
                     gu = mod.spmm_norm(csr.transpose(), g, deg.reciprocal().view(-1, 1), None,
                                        None, None)
-                    return None, None, None, None, reduce_to(gu, ctx.fu), None
+                    return reduce_to(gu, ctx.fu), None
                 g = g / deg.view((-1,) + (1,) * (g.dim() - 1))
             if (need_u and need_e and binop == "mul" and hasattr(mod, "spmm_mul_grads")
                     and ctx.fu == tuple(g.shape[1:]) and _weight_per_head(ctx.fu, ctx.fe, g)):
@@ -178,7 +226,7 @@ class _GSpMM(torch.autograd.Function):
             # d(u/e)/de = -u/e^2; e is constant along the dims reduce_to summed, so the factor
             # can be applied after the reduction.
             ge = -ge / (e * e)
-        return None, None, None, None, gu, ge
+        return gu, ge
 
 
 def _weight_per_head(fu, fe, g) -> bool:

@@ -374,3 +374,43 @@ def test_gsddmm_keeps_only_the_operands_backward_reads(op, kept):
     assert {k for k, r in refs.items() if r() is not None} == kept
     out.sum().backward()
     assert leaf_u.grad is not None and leaf_v.grad is not None
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("op,reduce", [("u_mul_e", "sum"), ("copy_u", "mean"), ("u_add_e", "max")])
+def test_gspmm_takes_a_reshape_view_s_tensor(backend, op, reduce):
+    """u given as a reshape of z (GAT's z.view(-1, H, C)): z goes into the kernel's autograd
+    node directly (no view node), so the gradient z gets from it is a plain tensor, which
+    autograd accumulates other gradients of z into in place (a view node's output it adds to
+    out of place, in a fresh tensor); values and gradients as with the view."""
+    from torch.profiler import profile
+
+    gen = torch.Generator().manual_seed(0)
+    n, e, heads, c = 300, 3000, 4, 8
+    csr = CSR.from_coo(torch.randint(0, n, (e,), generator=gen),
+                       torch.randint(0, n, (e,), generator=gen), n)
+    x = torch.randn(n, heads * c, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(heads * c, 2, generator=gen, dtype=torch.float64)
+    a = torch.rand(e, heads, 1, generator=gen, dtype=torch.float64, requires_grad=True)
+    go = torch.randn(n, heads, c, generator=gen, dtype=torch.float64)
+
+    def run(view):
+        z = x * 1.0
+        u = z.view(n, heads, c) if view else z.detach().view(n, heads, c).requires_grad_()
+        out = kernels.gspmm(csr, op, reduce, u=u, e=None if op == "copy_u" else a,
+                            backend=backend)
+        if view:  # z's only other consumer comes first: its gradient arrives last
+            assert out.grad_fn.next_functions[0][0] is z.grad_fn
+            return out, z.mm(w)
+        return out, u
+
+    out, score = run(True)
+    with profile() as prof:
+        torch.autograd.backward([score, out], [torch.ones_like(score), go])
+    adds = {ev.key: ev.count for ev in prof.key_averages() if ev.key in ("aten::add", "aten::add_")}
+    assert adds.get("aten::add_", 0) >= 1 and "aten::add" not in adds, adds
+    got = x.grad.clone()
+    ref_out, u = run(False)
+    (gu,) = torch.autograd.grad(ref_out, u, go)
+    assert torch.equal(out, ref_out)
+    torch.testing.assert_close(got, gu.reshape(n, -1) + torch.ones(n, 2, dtype=x.dtype) @ w.t())
