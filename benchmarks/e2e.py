@@ -43,12 +43,12 @@ ngra`` sets) and glibc's default allocator settings.
   indices, each edge gathers its source row, the output written once), a g-SDDMM ``E (8 + 4F) +
   4NF``, an edge softmax ``E (4 + 8F)``; backward runs the transposed g-SpMM for the input
   gradient (and a g-SDDMM for an edge-weight gradient). It counts neither element-wise dense work
-  nor the optimizer: a floor, not a model. The rates are measured twice: once per graph before
-  its workers (the header's figures), and by every ngra worker right after its timed epochs (and
-  after its memory figures were read), in the same process; the table's roofline is the one of
-  ngra's median round at its own worker's rates, so that a change of pace of the shared machine
-  between the first probe and that worker does not enter the ratio (each round's ratio is
-  printed too).
+  nor the optimizer: a floor, not a model. The table's rates are measured once per graph before
+  its workers (the header's figures). Every ngra worker also measures them first thing, in its
+  fresh process, and each round's ratio at those rates is printed beside the table's: the shared
+  machine changes pace within a run (worker probes of one run read 62-132 GFLOP/s and 19-43
+  GB/s). A probe after the epochs, in the same process, read a third less copy bandwidth than
+  one before them (the process's memory state): it would flatter the ratio, and is not used.
 
 With ``--rounds R`` every (graph, model, framework) runs in R workers, the frameworks taking
 turns (in reverse order every other round); the table then gives each framework's median round
@@ -194,8 +194,14 @@ def worker(spec_path):
     import torch
     import torch.nn.functional as F
 
-    torch.manual_seed(0)
     d = Path(spec["data"])
+    rates = None
+    if spec["framework"] == "ngra":
+        # the machine's rates near this worker's epochs, measured first, in a fresh process (after
+        # the epochs the same probe read a third less copy bandwidth: the process's memory state,
+        # not the machine's) and before anything the memory figures count is loaded
+        rates = machine_rates(int(np.load(d / "num_nodes.npy")))
+    torch.manual_seed(0)
     data = {k: np.load(d / f"{k}.npy") for k in ("src", "dst", "x", "y", "num_nodes")}
     x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["y"])
     model, forward, graph_seconds = _build(spec, data, x, y)
@@ -230,11 +236,7 @@ def worker(spec_path):
                epoch_peak=hwm - loaded, peak_rss=max(hwm_warmup, hwm),
                ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                torch=torch.__version__)
-    if spec["framework"] == "ngra":
-        # the machine's rates now, in this process, after the memory figures above were read:
-        # this run's roofline, which the rates measured once at the start miss when the shared
-        # machine changes pace between workers
-        rates = machine_rates(int(data["num_nodes"]))
+    if rates is not None:
         rec.update(worker_gemm_rate=rates["gemm_rate"], worker_copy_rate=rates["copy_rate"])
     Path(spec["out"]).write_text(json.dumps(rec))
 
@@ -453,8 +455,8 @@ def main(argv=None):
                                              f"(loaded {_gib(r['loaded'])}, epoch peak +{_gib(r['epoch_peak'])}); "
                                              f"loss {r['loss']:.4f}")
                     if "worker_roofline_s" in r and "error" not in r:
-                        msg += (f"; roofline {_fmt_s(r['worker_roofline_s'])} s at this worker's "
-                                f"GEMM {r['worker_gemm_rate'] / 1e9:.1f} GFLOP/s, copy "
+                        msg += (f"; roofline {_fmt_s(r['worker_roofline_s'])} s at the worker's "
+                                f"start: GEMM {r['worker_gemm_rate'] / 1e9:.1f} GFLOP/s, copy "
                                 f"{r['worker_copy_rate'] / 1e9:.1f} GB/s")
                     tag = f" r{rnd}" if args.rounds > 1 else ""
                     print(f"  {MODELS[name]:9s} {fw:4s}{tag}: {msg}", flush=True)
@@ -472,10 +474,11 @@ def main(argv=None):
                 per = [r["epoch"] / r["worker_roofline_s"] for r in runs["ngra"]
                        if "error" not in r and "worker_roofline_s" in r]
                 if per:
-                    print(f"  {MODELS[name]:9s} ngra/roofline per round (each worker's own "
-                          f"probe): {', '.join(f'{v:.2f}' for v in per)}")
-            ngra_rec = recs.get("ngra") or {}
-            _summary_row(graph, name, recs, ngra_rec.get("worker_roofline_s", roof_s))
+                    table = [r["epoch"] / roof_s for r in runs["ngra"] if "error" not in r]
+                    print(f"  {MODELS[name]:9s} ngra/roofline per round: "
+                          f"{', '.join(f'{v:.2f}' for v in table)} (at the workers' own "
+                          f"probes: {', '.join(f'{v:.2f}' for v in per)})")
+            _summary_row(graph, name, recs, roof_s)
     _table(rows)
     with open(out / "e2e.csv", "w", newline="") as f:
         keys = ["graph", "N", "E", "model", "framework", "round", "epoch", "fwd_dense", "fwd_graph", "backward",
