@@ -30,8 +30,8 @@ ngra`` sets) and glibc's default allocator settings.
   the loss (linear layers, activations, dropout, normalisation, self loops), *backward*
   ``loss.backward()``, *optimizer* ``opt.step()`` + ``zero_grad``.
 - **Memory**: ``peak RSS`` is the worker's resident high-water mark over its whole life (data,
-  graph formats, warm-up and timed epochs): the larger of ``VmHWM`` before the reset below and at
-  the end. (``ru_maxrss`` is not used for it: Linux carries the driver's resident set at the fork
+  graph formats, warm-up and timed epochs; not the rate probe an ngra worker runs first, whose
+  peak is reset): the larger of ``VmHWM`` before the reset below and at the end. (``ru_maxrss`` is not used for it: Linux carries the driver's resident set at the fork
   into the child's; the CSV has it as ``ru_maxrss``.) ``loaded`` is the resident set after loading and building the
   model (before the first epoch); ``epoch peak`` the high-water mark of the timed epochs
   (``VmHWM`` reset through ``/proc/self/clear_refs`` after the warm-up) minus ``loaded``.
@@ -201,6 +201,8 @@ def worker(spec_path):
         # the epochs the same probe read a third less copy bandwidth: the process's memory state,
         # not the machine's) and before anything the memory figures count is loaded
         rates = machine_rates(int(np.load(d / "num_nodes.npy")))
+        with open("/proc/self/clear_refs", "w") as f:  # the probe's buffers are not the model's
+            f.write("5")
     torch.manual_seed(0)
     data = {k: np.load(d / f"{k}.npy") for k in ("src", "dst", "x", "y", "num_nodes")}
     x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["y"])
