@@ -45,7 +45,7 @@ ngra`` sets) and glibc's default allocator settings.
   gradient (and a g-SDDMM for an edge-weight gradient). It counts neither element-wise dense work
   nor the optimizer: a floor, not a model. The rates are measured once per graph before its
   workers (the header's figures) and by every ngra worker first thing, in its fresh process: the
-  shared machine changes pace within a run (the probes of one run read 76-130 GFLOP/s and 21-33
+  shared machine changes pace within a run (the probes of one run read 76-136 GFLOP/s and 21-35
   GB/s). The table's roofline takes the fastest GEMM rate and copy bandwidth of all of a graph's
   probes (``best_roofline_s`` in the CSV): the machine's best seen, so that a probe in a slow
   spell cannot lower the floor. Each round's ratio at the first probe and at its worker's own
