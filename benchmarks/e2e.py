@@ -31,8 +31,9 @@ ngra`` sets) and glibc's default allocator settings.
   ``loss.backward()``, *optimizer* ``opt.step()`` + ``zero_grad``.
 - **Memory**: ``peak RSS`` is the worker's resident high-water mark over its whole life (data,
   graph formats, warm-up and timed epochs; not the rate probe an ngra worker runs first, whose
-  peak is reset): the larger of ``VmHWM`` before the reset below and at the end. (``ru_maxrss`` is not used for it: Linux carries the driver's resident set at the fork
-  into the child's; the CSV has it as ``ru_maxrss``.) ``loaded`` is the resident set after loading and building the
+  peak is reset): the larger of ``VmHWM`` before the reset below and at the end. (``ru_maxrss``
+  is not used for it: Linux carries the driver's resident set at the fork into the child's; the
+  CSV has it as ``ru_maxrss``.) ``loaded`` is the resident set after loading and building the
   model (before the first epoch); ``epoch peak`` the high-water mark of the timed epochs
   (``VmHWM`` reset through ``/proc/self/clear_refs`` after the warm-up) minus ``loaded``.
 - **Roofline**: the epoch's dense GEMM FLOPs (forward, and backward's weight and input gradients;
