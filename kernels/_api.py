@@ -95,15 +95,21 @@ def gspmm(csr, op, reduce, u=None, e=None, backend="auto"):
     return _GSpMM.apply(csr, mod, binop, reduce, u, e, None)
 
 
+def _view_base(t):
+    """The tensor ``t`` is a reshape-view of (same memory, dtype and element count, both
+    contiguous), or None."""
+    b = t._base
+    if (b is not None and b.dtype == t.dtype and b.numel() == t.numel() and b.is_contiguous()
+            and t.is_contiguous() and b.data_ptr() == t.data_ptr()):
+        return b
+    return None
+
+
 def _reshaped_base(x):
-    """The tensor ``x`` is a reshape-view of (same memory, both contiguous, the same autograd
-    leaf-ness), or None."""
-    if x is None or x._base is None:
-        return None
-    b = x._base
-    if (b.requires_grad == x.requires_grad and b.is_contiguous() and x.is_contiguous()
-            and b.numel() == x.numel() and b.data_ptr() == x.data_ptr() and b.dtype == x.dtype
-            and b.shape != x.shape and b.dim() >= 1 and b.shape[0] == x.shape[0]):
+    """The tensor ``x`` is a reshape-view of, with the same leaf-ness and rows, or None."""
+    b = None if x is None else _view_base(x)
+    if (b is not None and b.requires_grad == x.requires_grad and b.shape != x.shape
+            and b.dim() >= 1 and b.shape[0] == x.shape[0]):
         return b
     return None
 
@@ -113,11 +119,8 @@ def _as_shape(t, shape):
     autograd can then accumulate into it in place), or a reshape."""
     if tuple(t.shape) == tuple(shape):
         return t
-    b = t._base
-    if (b is not None and tuple(b.shape) == tuple(shape) and b.is_contiguous()
-            and t.is_contiguous() and b.data_ptr() == t.data_ptr()):
-        return b
-    return t.reshape(shape)
+    b = _view_base(t)
+    return b if b is not None and tuple(b.shape) == tuple(shape) else t.reshape(shape)
 
 
 def _keep_csr(ctx, csr, *tensors):
