@@ -45,9 +45,10 @@ def x_of(seed, rows=N, f=F):
 def poison(cache):
     """Fill every cached block with NaN bytes, so a kernel that reads an output before writing
     it, or expects zeros, shows."""
-    for block in (b for blocks in cache._free.values() for b in blocks.values()):
+    views = cache._free_views()
+    for block in views:
         block.fill(0xFF)
-    return sum(len(b) for b in cache._free.values())
+    return len(views)
 
 
 def test_size_classes_round_up_by_at_most_an_eighth():
@@ -99,7 +100,7 @@ def test_limit_evicts_the_oldest_and_zero_turns_it_off(csr, cache):
     s = cache.stats()
     assert s["cached_blocks"] == 2 and s["cached_bytes"] == 2 * one
     # the two kept are the last two freed; the most recently freed is handed out first
-    assert {b.ctypes.data for b in cache._free[one].values()} == set(ptrs[1:])
+    assert {b.ctypes.data for b in cache._free_views()} == set(ptrs[1:])
     assert kernels.gspmm(csr, "copy_u", "sum", u=x_of(0), backend="numba").data_ptr() == ptrs[2]
     kernels.set_output_cache_limit(0)
     assert cache.stats()["cached_bytes"] == 0
@@ -247,10 +248,60 @@ def test_a_miss_releases_as_many_cached_bytes_as_it_maps(cache):
     again = cache.empty((small // 2,), torch.float32)  # too small for the cache: no miss
     assert cache.stats()["cached_bytes"] == size_class(3 * MIN_BYTES) + MIN_BYTES
     del again
-    odd = cache.empty((5 * MIN_BYTES // 16,), torch.float32)  # 1.25 MiB: the oldest (3 MiB) goes
+    odd = cache.empty((5 * MIN_BYTES // 16,), torch.float32)  # 1.25 MiB: split off the 3 MiB
     s = cache.stats()
-    assert s["cached_blocks"] == 1 and s["cached_bytes"] == MIN_BYTES  # the 1 MiB freed last stays
-    del odd
+    assert s["misses"] == after["misses"] and s["cached_blocks"] == 2
+    assert s["cached_bytes"] == MIN_BYTES + size_class(3 * MIN_BYTES) - size_class(5 * MIN_BYTES // 4)
+    del odd  # merged back into its 3 MiB block
+    assert cache.stats()["cached_bytes"] == size_class(3 * MIN_BYTES) + MIN_BYTES
+    four = cache.empty((MIN_BYTES,), torch.float32)  # 4 MiB: no piece that large; 4 MiB go
+    s = cache.stats()
+    assert s["misses"] == after["misses"] + 1 and s["cached_bytes"] == 0
+    del four
+
+
+def test_a_larger_piece_is_split_and_merged_back_when_freed(cache):
+    """A request no piece of its size serves takes the smallest larger piece's start (a hit: no
+    new memory), the rest staying cached; freed pieces merge with free neighbours, so that the
+    whole block serves a request of its size again."""
+    mib = MIN_BYTES // 4  # float32 elements per MiB
+    big = cache.empty((8 * mib,), torch.float32)
+    base = big.data_ptr()
+    del big
+    before = cache.stats()
+    a = cache.empty((2 * mib,), torch.float32)
+    assert a.data_ptr() == base
+    assert cache.stats()["cached_bytes"] == 6 * MIN_BYTES
+    b = cache.empty((6 * mib,), torch.float32)  # the rest, exactly
+    assert b.data_ptr() == base + 2 * MIN_BYTES and cache.stats()["cached_bytes"] == 0
+    a.fill_(1.0)
+    b.fill_(2.0)
+    assert float(a.sum()) == 2 * mib  # the pieces do not overlap
+    del a
+    assert cache.stats()["cached_blocks"] == 1
+    del b  # merged with its freed neighbour: one 8 MiB piece
+    s = cache.stats()
+    assert s["cached_blocks"] == 1 and s["cached_bytes"] == 8 * MIN_BYTES
+    again = cache.empty((8 * mib,), torch.float32)
+    assert again.data_ptr() == base
+    assert cache.stats()["misses"] == before["misses"] and cache.stats()["hits"] == before["hits"] + 3
+    del again
+
+
+def test_pieces_of_a_block_trimmed_away_leave_the_rest_usable(cache):
+    """Trimming the cache to a limit releases the oldest pieces, also part of a block whose
+    other part is in use (its pages given back), without touching the part in use."""
+    mib = MIN_BYTES // 4
+    big = cache.empty((8 * mib,), torch.float32)
+    del big
+    kept = cache.empty((3 * mib,), torch.float32).fill_(5.0)
+    assert cache.stats()["cached_bytes"] == 5 * MIN_BYTES
+    cache.set_limit(0)
+    assert cache.stats()["cached_bytes"] == 0
+    assert float(kept.sum()) == 15.0 * mib
+    cache.set_limit(256 << 20)
+    del kept  # returned alone (its former neighbour is gone)
+    assert cache.stats()["cached_bytes"] == 3 * MIN_BYTES
 
 
 @pytest.mark.parametrize("preset", [None, "0"])
