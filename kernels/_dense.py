@@ -9,6 +9,12 @@ with ``out=`` a cached block (forward and backward), so the values are torch's t
 (except a Linear's weight gradient, the same sums in another order: see ``_Linear``), and a
 training loop's [N, F] results reuse warm pages (``benchmarks/README.md``, e2e).
 
+A Linear whose input is the output of ``kernels._dropout.dropout`` (a model's dropout of its input
+features) keeps the dropout's input, which the caller keeps anyway, instead of its output, and
+its backward makes the dropout again a few MiB of rows at a time for the weight gradient: an
+[N, in] tensor less from the forward to the end of backward (512 MiB for R-MAT's 1M x 128
+features; the e2e benchmark's peak RSS), and no [N, in] block to find in backward.
+
 :func:`call` is what ``ngra``'s interpreter calls for a traced module, function or method: the
 value through this module, or ``NotImplemented`` where it does not apply. It applies to plain
 CPU tensors of one dtype (float32 / float64) whose result is at least 1 MiB (smaller ones come
@@ -27,6 +33,7 @@ import torch.nn.functional as F
 from torch.nn.modules import module as mm
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from . import _dropout
 from ._outcache import CACHE as _CACHE
 from ._outcache import MIN_BYTES
 
@@ -83,7 +90,11 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         need = ctx.needs_input_grad  # x's gradient needs the weight, the weight's needs x
-        ctx.save_for_backward(x if need[1] else None, weight if need[0] else None)
+        # x the dropout of a tensor kept anyway (a model's input features): that tensor is kept
+        # instead, and x made again in backward (an [N, in] tensor less from here to there)
+        ctx.remat = _dropout.recipe(x) if need[1] else None
+        keep = ctx.remat[0] if ctx.remat is not None else x
+        ctx.save_for_backward(keep if need[1] else None, weight if need[0] else None)
         ctx.has_bias = bias is not None
         shape = (x.shape[0], weight.shape[0])
         if bias is None:  # F.linear's kernels for a 2-D input: mm, or addmm with a bias
@@ -97,7 +108,12 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = _out(torch.mm, (g.shape[0], weight.shape[1]), g.dtype, g, weight)
         if ctx.needs_input_grad[1]:
-            gw = _weight_grad(x, g)
+            if ctx.remat is None:
+                gw = _weight_grad(x, g)
+            elif torch.is_grad_enabled():  # create_graph: through the differentiable dropout
+                gw = _weight_grad(_dropout.recompute(x, *ctx.remat[1:]), g)
+            else:
+                gw = _weight_grad_dropped(x, *ctx.remat[1:], g)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.sum(0)
         return gx, gw, gb
@@ -116,6 +132,23 @@ def _weight_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     if g.shape[1] >= min(x.shape[1], 16):
         return x.t().mm(g).t().contiguous()
     return g.t().mm(x)
+
+
+def _weight_grad_dropped(x: torch.Tensor, p: float, seed: int, g: torch.Tensor) -> torch.Tensor:
+    """:func:`_weight_grad` of ``dropout(x, p, seed)`` (``kernels._dropout``) and ``g``, the
+    dropout made again a few MiB of rows at a time (``_dropout.chunks``) and each chunk's
+    product accumulated in row order: no [N, in] tensor (fresh pages, or a cached block held
+    for it), its writes and reads in cache. The same sums as :func:`_weight_grad`'s GEMM in
+    another grouping (equal up to rounding)."""
+    wide = g.shape[1] >= min(x.shape[1], 16)  # the orientation of _weight_grad
+    acc = torch.zeros((x.shape[1], g.shape[1]) if wide else (g.shape[1], x.shape[1]),
+                      dtype=g.dtype)
+    for r0, r1, xd in _dropout.chunks(x, p, seed):
+        if wide:
+            acc.addmm_(xd.t(), g[r0:r1])
+        else:
+            acc.addmm_(g[r0:r1].t(), xd)
+    return acc.t().contiguous() if wide else acc
 
 
 def _linear(x, weight, bias=None):

@@ -11,6 +11,8 @@ project's machine, 0.5 s under torch 2.2 with MKL) and saves a byte mask for bac
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from numba import njit, prange
@@ -38,10 +40,12 @@ def _keep(seed, i, threshold):
 # [1M, 64] floats: 94 against 18 ms; torch's ``x * 2``: 19 ms).
 
 @njit(parallel=True, cache=True, nogil=True)
-def _dropout_kernel(x, out, seed, threshold, scale):
+def _dropout_kernel(x, out, seed, threshold, scale, base):
+    """Elements ``base ..`` of a flat tensor's dropout: ``x`` holds them, ``out`` gets them."""
     zero = scale - scale  # +0 in x's type
     for i in prange(x.shape[0]):
-        out[i] = x[i] * (scale if _keep(seed, i, threshold) else zero)  # 0 * nan = nan, as torch
+        # 0 * nan = nan, as torch
+        out[i] = x[i] * (scale if _keep(seed, np.uint64(i) + base, threshold) else zero)
 
 
 def _scalar(v: float, dtype: torch.dtype):
@@ -63,7 +67,7 @@ def _apply(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     out = _CACHE.empty(tuple(xc.shape), xc.dtype)
     threshold = np.uint64(_threshold(p))
     _dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), np.uint64(seed), threshold,
-                    _scalar(1.0 / (1.0 - p), xc.dtype))
+                    _scalar(1.0 / (1.0 - p), xc.dtype), np.uint64(0))
     return out
 
 
@@ -86,7 +90,49 @@ def dropout(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = No
     row r is element ``rows[r] * width + j``)."""
     if rows is not None:
         return edge_dropout(x, rows, int(seed), _threshold(p), 1.0 / (1.0 - p))
-    return _Dropout.apply(x, float(p), int(seed))
+    out = _Dropout.apply(x, float(p), int(seed))
+    # how to make ``out`` again (see :func:`recompute`), for a consumer that would keep it
+    out._ngra_dropout_of = (x, x._version, out._version, float(p), int(seed))
+    return out
+
+
+def recipe(t: torch.Tensor):
+    """``(x, p, seed)`` where ``t`` is, unchanged, the output of :func:`dropout` (without
+    ``rows``) of ``x``, itself unchanged since: ``recompute(x, p, seed)`` then gives ``t`` bit for
+    bit (same kernel, same mask), so a consumer that needs ``t`` in backward (a Linear's weight
+    gradient) can keep ``x`` (the user's, kept anyway) instead of ``t``. Else None."""
+    of = getattr(t, "_ngra_dropout_of", None)
+    if of is None:
+        return None
+    x, x_version, t_version, p, seed = of
+    if x._version != x_version or t._version != t_version:  # changed in place since
+        return None
+    return x, p, seed
+
+
+def recompute(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """:func:`dropout`'s value again (differentiable, as :func:`dropout`)."""
+    return _Dropout.apply(x, p, seed)
+
+
+CHUNK_BYTES = 4 << 20  # rows of a dropout made again per step of :func:`chunks` (~ L2 / L3)
+
+
+def chunks(x: torch.Tensor, p: float, seed: int):
+    """``(r0, r1, rows r0:r1 of dropout(x, p, seed))`` for consecutive row ranges of ``x``
+    [N, F] covering it, each about ``CHUNK_BYTES``, made again in one reused buffer (valid until
+    the next step): the values of :func:`dropout`'s, bit for bit, without an [N, F] tensor."""
+    xc = x.detach().contiguous()
+    n, width = xc.shape[0], math.prod(xc.shape[1:])
+    rows = max(1, CHUNK_BYTES // max(1, width * xc.element_size()))
+    buf = _CACHE.empty((min(rows, n),) + tuple(xc.shape[1:]), xc.dtype)
+    flat, bflat = xc.numpy().reshape(-1), buf.numpy().reshape(-1)
+    args = (np.uint64(seed), np.uint64(_threshold(p)), _scalar(1.0 / (1.0 - p), xc.dtype))
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        _dropout_kernel(flat[r0 * width:r1 * width], bflat[:(r1 - r0) * width], *args,
+                        np.uint64(r0 * width))
+        yield r0, r1, buf[:r1 - r0]
 
 
 # -- ReLU and dropout in one pass ----------------------------------------------------------------
@@ -271,7 +317,7 @@ def _edge_apply(x: torch.Tensor, ids: torch.Tensor | None, state: int, threshold
     out = _CACHE.empty(tuple(xc.shape), xc.dtype)
     if ids is None:  # element j of row r is element r * width + j of the flat tensor
         _dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), _u64(state),
-                        np.uint64(threshold), _scalar(scale, xc.dtype))
+                        np.uint64(threshold), _scalar(scale, xc.dtype), np.uint64(0))
         return out
     rows = xc.shape[0]
     _edge_dropout_kernel(xc.numpy().reshape(rows, -1), out.numpy().reshape(rows, -1),

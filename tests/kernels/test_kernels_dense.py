@@ -9,6 +9,7 @@ and off."""
 from __future__ import annotations
 
 import operator
+import weakref
 
 import pytest
 import torch
@@ -236,3 +237,90 @@ def test_layers_same_with_and_without_the_cached_ops(name, monkeypatch):
     assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
     for a, b in zip(fast[2], slow[2]):  # the weights' gradients up to rounding
         _close(a, b)
+
+
+# -- a Linear on a dropout's output keeps the dropout's input instead ----------------------------
+def _dropped(dtype, grad_x=False, rows=N + 37):
+    from kernels import _dropout
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, 48, dtype=dtype, generator=gen).requires_grad_(grad_x)
+    w, b = _leaves(gen, dtype, (64, 48), (64,))
+    return _dropout, x, w, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("out_features", [64, 4])  # both orientations of the weight gradient
+def test_linear_of_a_dropout_makes_it_again_in_chunks(dtype, out_features, monkeypatch):
+    """The dropout's output is not kept for the weight gradient (it is freed with its last
+    reference): backward makes it again a few rows at a time (forced to many chunks here, the
+    last one short), and the gradients equal torch's Linear on the same dropout output."""
+    # a result of at least 1 MiB, which the cached Linear takes
+    _dropout, x, w, b = _dropped(dtype, rows=(N + 37) * 64 // out_features)
+    w = w[:out_features].detach().requires_grad_()
+    b = b[:out_features].detach().requires_grad_()
+    monkeypatch.setattr(_dropout, "CHUNK_BYTES", x.shape[0] // 5 * 48 * x.element_size())
+    made = []
+    orig = _dropout.chunks
+    monkeypatch.setattr(_dropout, "chunks", lambda *a: made.append(1) or orig(*a))
+    h = _dropout.dropout(x, 0.5, 1234)
+    ref = h.detach().clone()
+    gone = weakref.ref(h)
+    out = _dense.linear(h, w, b)
+    del h
+    assert gone() is None  # nothing kept it
+    g = torch.randn(out.shape, dtype=dtype, generator=torch.Generator().manual_seed(5))
+    gw, gb = torch.autograd.grad(out, (w, b), g)
+    assert made == [1]
+    want_out, (want_gw, want_gb) = _grads(F.linear, [ref, w, b], seed=5)
+    assert torch.equal(out.detach(), want_out)
+    _close(gw, want_gw)
+    assert torch.equal(gb, want_gb)
+
+
+def test_dropout_chunks_are_the_dropout_bit_for_bit(monkeypatch):
+    _dropout, x, _, _ = _dropped(torch.float32)
+    monkeypatch.setattr(_dropout, "CHUNK_BYTES", 777 * 48 * 4)
+    whole = _dropout.dropout(x, 0.3, 99).detach()
+    parts, ends = [], []
+    for r0, r1, rows in _dropout.chunks(x, 0.3, 99):
+        parts.append(rows.clone())
+        ends.append((r0, r1))
+    assert ends[0][0] == 0 and ends[-1][1] == x.shape[0] and len(ends) > 2
+    assert all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
+    assert torch.equal(torch.cat(parts), whole)
+
+
+def test_linear_keeps_a_dropout_output_changed_in_place(monkeypatch):
+    """An in-place change of the dropout's output (or of its input) after the dropout: the
+    recipe no longer holds, the Linear keeps its input as usual, the gradients follow it."""
+    _dropout, x, w, b = _dropped(torch.float32)
+    made = []
+    orig = _dropout.chunks
+    monkeypatch.setattr(_dropout, "chunks", lambda *a: made.append(1) or orig(*a))
+    for change in ("output", "input"):
+        h = _dropout.dropout(x, 0.5, 7)
+        if change == "output":
+            h.mul_(3)
+        else:
+            with torch.no_grad():
+                x.add_(1)
+        assert _dropout.recipe(h) is None
+        ref = h.detach().clone()
+        got = _grads(_dense.linear, [h, w, b], seed=2)
+        want = _grads(F.linear, [ref, w, b], seed=2)
+        _close(got[1][0], want[1][0])
+    assert made == []
+
+
+def test_linear_of_a_dropout_second_derivatives():
+    """create_graph: the dropout is made again through its differentiable op."""
+    _dropout, x, w, b = _dropped(torch.float64, grad_x=True)
+    h = _dropout.dropout(x, 0.5, 11)
+    ref = _dropout.dropout(x, 0.5, 11)  # the same values, through torch's Linear
+    outs = [_dense.linear(h, w, b), F.linear(ref, w, b)]
+    hvps = []
+    for out in outs:
+        gw, = torch.autograd.grad(out.pow(2).sum(), w, create_graph=True)
+        hvps.append(torch.autograd.grad(gw.sum(), (x, w)))
+    for got, want in zip(*hvps):
+        _close(got, want)
