@@ -1,35 +1,42 @@
-"""A cache of freed CPU kernel outputs, so that the next output of that size reuses warm pages.
+"""A cache of freed CPU kernel outputs, so that the next outputs reuse warm pages.
 
 glibc serves every allocation above its mmap threshold (at most 32 MiB) from new pages and
-unmaps them on free, so each large tensor's first write page-faults once per 4 KiB page: on the
+unmaps them on free, so each large tensor's first write page-faults once per page: on the
 project's machine that was 25-40% of a g-SpMM call (``benchmarks/fresh_memory.py``). A training
-loop allocates the same output sizes every step, so the numba backend takes its large outputs
-and scratch arrays from this cache instead, and so do the layers' dense ops of
-``kernels/_dense.py`` (outputs and gradients). A block handed out is owned by its tensor (or
-numpy array) like any other memory; when the last tensor, view or array using it is freed, the
-block comes back here instead of going back to the OS, up to :func:`set_output_cache_limit` bytes
-(default: 1/8 of physical memory, at most 4 GiB; ``NGRA_KERNEL_OUTPUT_CACHE`` in the
-environment, a byte count, sets it at import, ``0`` turns the cache off). Blocks beyond the
-limit are released, oldest first; :func:`empty_output_cache` releases them all. A request no
-cached block serves (a miss) releases as many cached bytes as it maps, oldest first: blocks kept
-for other sizes would otherwise sit on top of the memory in use while it grows (GAT's epoch on
-R-MAT 1M / 16M, whose outputs outnumber what the cache holds, peaked 0.16 GiB higher).
+loop allocates the same outputs every step, so the numba backend takes its large outputs and
+scratch arrays from this cache instead, and so do the layers' dense ops of ``kernels/_dense.py``
+(outputs and gradients). A piece handed out is owned by its tensor (or numpy array) like any
+other memory; when the last tensor, view or array using it is freed, the piece comes back here,
+warm, instead of going back to the OS, up to :func:`set_output_cache_limit` bytes (default: 1/8
+of physical memory, at most 4 GiB; ``NGRA_KERNEL_OUTPUT_CACHE`` in the environment, a byte
+count, sets it at import, ``0`` turns the cache off). Warm pieces beyond the limit are emptied
+(their pages given back with ``MADV_DONTNEED``), oldest first; :func:`empty_output_cache`
+empties them all.
 
-Requests are rounded up to size classes of 1/8 of a power of two (a 100 MB output takes a piece
-of at most 12.5% more), and only requests of at least 1 MiB use the cache (smaller ones come from
-glibc's heap, which reuses memory anyway). A request takes the smallest free piece at least its
-size (of those, the most recently freed), and where that is larger, only its start: the rest
-stays cached. A freed piece merges with the free pieces beside it in its mapping, so the whole
-block serves its own size again. A step's sizes vary while their total does not (GAT on R-MAT:
-[N, 64], [E, 4], [E, 1], [N, 16] outputs): cached only for their own size, 23 of its 42 requests
-per epoch missed, each fresh pages (1-2 s of system time per epoch); split, 3 missed. A piece
-released while another part of its mapping is in use has its pages given back
-(``MADV_DONTNEED``); a mapping is unmapped when its last piece goes. The memory is returned to
-the cache by a ``weakref.finalize`` on the numpy array the tensor was made from
-(``torch.from_numpy``), which runs, with the GIL, in whichever thread frees the last reference
-(autograd's included). Such a tensor behaves like any other, except that its storage cannot grow
-in place: ``resize_`` to more elements (or an ``out=`` argument of another size) raises torch's
-"Trying to resize storage that is not resizable"; ``.clone()`` it first, or turn the cache off.
+The pieces are carved from one arena: address space for the machine's memory, mapped once
+(``MAP_NORESERVE``: pages exist only where written; where it cannot be mapped, each new piece
+is its own mapping). Requests are rounded up to size classes of 1/8 of a power of two (a 100 MB
+output takes at most 12.5% more), and only requests of at least 1 MiB use the cache (smaller
+ones come from glibc's heap, which reuses memory anyway). A request takes the smallest warm
+piece at least its size (of those, the most recently freed), only its start where it is larger
+(the rest stays cached); a freed piece merges with the warm pieces beside it. Where no warm
+piece is large enough (a miss), the request takes the free stretch (warm and emptied ranges side
+by side) that holds the most warm bytes: its emptied part is new pages. A step's output sizes
+vary while their total does not (GAT on R-MAT 1M / 16M: [N, 64], [E, 4], [E, 1], [N, 16]), so
+pieces cached only for their own size missed 23 of GAT's 42 requests per epoch, each new pages
+(1-2 s of system time per epoch on the project's machine); carved from the arena, none miss
+after the first epochs.
+
+A miss then empties warm pieces, oldest first, as far as the bytes in use plus cached would
+pass the most ever in use plus an eighth: pieces kept for other sizes do not add to the
+footprint while it grows (with pieces cached per size, GAT's peak was 0.16 GiB higher without
+it), and the eighth leaves room for the pieces' fragmentation, which otherwise emptied and
+refaulted 0.15-0.3 GiB per GAT epoch. The memory is returned to the cache by a ``weakref.finalize`` on the numpy array the
+tensor was made from (``torch.from_numpy``), which runs, with the GIL, in whichever thread frees
+the last reference (autograd's included). Such a tensor behaves like any other, except that its
+storage cannot grow in place: ``resize_`` to more elements (or an ``out=`` argument of another
+size) raises torch's "Trying to resize storage that is not resizable"; ``.clone()`` it first, or
+turn the cache off.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ import contextlib
 import math
 import mmap
 import os
+import platform
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -50,8 +59,13 @@ MIN_BYTES = 1 << 20  # smaller requests bypass the cache
 _HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("THP_MEM_ALLOC_ENABLE", "0") \
     not in ("", "0")
 _ENV = "NGRA_KERNEL_OUTPUT_CACHE"
-# a piece larger than a request is split (the rest stays cached) where its pages can be emptied
-_SPLIT = hasattr(mmap, "MADV_DONTNEED")
+# Linux's MAP_NORESERVE (not in Python's mmap module; its value on x86 and Arm): the arena
+# reserves address space only. Elsewhere the arena is mapped without it, or not at all.
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") and (
+    platform.machine() in ("x86_64", "AMD64", "i386", "i686", "aarch64", "arm64")
+    or platform.machine().startswith("arm")) else 0)
+_CAN_EMPTY = hasattr(mmap, "MADV_DONTNEED")
+_HUGE = 2 << 20  # the arena's pieces start at offsets from a 2 MiB-aligned base
 
 _NP_DTYPE = {torch.float32: np.float32, torch.float64: np.float64, torch.int32: np.int32,
              torch.int64: np.int64, torch.int16: np.int16, torch.int8: np.int8,
@@ -81,17 +95,49 @@ def size_class(nbytes: int) -> int:
 
 
 class _Segment:
-    """One anonymous mapping, with its free pieces by start and by end offset (for merging)."""
-    __slots__ = ("mapping", "size", "free_at", "free_end")
+    """An anonymous mapping and its free ranges, by start and by end offset: warm pieces
+    (written, resident, cached: :class:`_Piece` objects) and cold ranges (never written, or
+    emptied; offset -> size)."""
+    __slots__ = ("mapping", "start", "size", "arena", "warm_at", "warm_end", "cold_at",
+                 "cold_end")
 
-    def __init__(self, mapping, size: int):
-        self.mapping, self.size = mapping, size
-        self.free_at: dict = {}
-        self.free_end: dict = {}
+    def __init__(self, mapping, start: int, size: int, arena: bool):
+        self.mapping, self.start, self.size, self.arena = mapping, start, size, arena
+        self.warm_at: dict = {}
+        self.warm_end: dict = {}
+        self.cold_at: dict = {start: size}
+        self.cold_end: dict = {start + size: start}
+
+    def add_cold(self, off: int, size: int) -> None:
+        """Mark ``[off, off + size)`` cold, merged with the cold ranges beside it."""
+        left = self.cold_end.pop(off, None)
+        if left is not None:
+            del self.cold_at[left]
+            size += off - left
+            off = left
+        right = self.cold_at.pop(off + size, None)
+        if right is not None:
+            del self.cold_end[off + size + right]
+            size += right
+        self.cold_at[off] = size
+        self.cold_end[off + size] = off
+
+    def take_cold(self, off: int, size: int) -> None:
+        """Remove ``[off, off + size)``, inside one cold range, from the cold ranges."""
+        c0 = next(c for c, cs in self.cold_at.items() if c <= off and off + size <= c + cs)
+        cs = self.cold_at.pop(c0)
+        del self.cold_end[c0 + cs]
+        for a, b in ((c0, off), (off + size, c0 + cs)):
+            if b > a:
+                self.cold_at[a] = b - a
+                self.cold_end[b] = a
+
+    def all_cold(self) -> bool:
+        return self.cold_at.get(self.start) == self.size
 
 
 class _Piece:
-    """``size`` bytes at ``off`` in a segment: handed out to one array, or free in the cache."""
+    """``size`` bytes at ``off`` in a segment: handed out to one array, or warm in the cache."""
     __slots__ = ("seg", "off", "size")
 
     def __init__(self, seg: _Segment, off: int, size: int):
@@ -101,14 +147,22 @@ class _Piece:
         return np.frombuffer(self.seg.mapping, dtype=np.uint8, count=self.size, offset=self.off)
 
 
+def _overlap(a0, a1, b0, b1) -> int:
+    return max(0, min(a1, b1) - max(a0, b0))
+
+
 class OutputCache:
-    """Free pieces of mapped segments, oldest release first (see the module docstring)."""
+    """Warm pieces of mapped segments, oldest release first (see the module docstring)."""
 
     def __init__(self, limit: int):
         self._lock = threading.RLock()
-        self._order: OrderedDict = OrderedDict()  # id(piece) -> free piece, oldest first
+        self._order: OrderedDict = OrderedDict()  # id(piece) -> warm piece, oldest first
+        self._segments: list = []
+        self._arena_tried = False
         self.limit = _check_limit(limit, "the output cache limit")
-        self.cached = 0  # bytes held for reuse
+        self.cached = 0  # warm bytes held for reuse
+        self.in_use = 0  # bytes of the pieces handed out
+        self.in_use_peak = 0  # the most in use at once (since clear())
         self.hits = self.misses = 0
         self._local = threading.local()  # .bypass: depth of bypassed() blocks on this thread
 
@@ -130,6 +184,7 @@ class OutputCache:
     def clear(self) -> None:
         with self._lock:
             self._shrink_to(0)
+            self.in_use_peak = self.in_use
 
     def stats(self) -> dict:
         with self._lock:
@@ -137,65 +192,71 @@ class OutputCache:
                     "cached_blocks": len(self._order), "hits": self.hits, "misses": self.misses}
 
     def _free_views(self) -> list:
-        """uint8 views of the free pieces (for tests)."""
+        """uint8 views of the warm pieces (for tests)."""
         with self._lock:
             return [p.view() for p in self._order.values()]
 
     def _trim(self, incoming: int) -> None:
-        """Release the oldest pieces until ``incoming`` more bytes fit under the limit."""
+        """Empty the oldest warm pieces until ``incoming`` more bytes fit under the limit."""
         self._shrink_to(self.limit - incoming)
 
     def _shrink_to(self, target: int) -> None:
-        """Release the oldest pieces until at most ``target`` bytes are cached."""
+        """Empty the oldest warm pieces until at most ``target`` bytes are cached."""
         while self._order and self.cached > target:
             _, piece = self._order.popitem(last=False)
             self._unlink(piece)
-            self._discard(piece)
+            self._empty(piece.seg, piece.off, piece.size)
 
     def _add(self, piece: _Piece) -> None:
         self._order[id(piece)] = piece
-        piece.seg.free_at[piece.off] = piece
-        piece.seg.free_end[piece.off + piece.size] = piece
+        piece.seg.warm_at[piece.off] = piece
+        piece.seg.warm_end[piece.off + piece.size] = piece
         self.cached += piece.size
 
     def _unlink(self, piece: _Piece) -> None:
-        """Take a free piece out of its segment's maps and the byte count (not out of _order)."""
-        del piece.seg.free_at[piece.off]
-        del piece.seg.free_end[piece.off + piece.size]
+        """Take a warm piece out of its segment and the byte count (not out of _order)."""
+        del piece.seg.warm_at[piece.off]
+        del piece.seg.warm_end[piece.off + piece.size]
         self.cached -= piece.size
 
-    @staticmethod
-    def _discard(piece: _Piece) -> None:
-        """Give a piece's memory back to the OS: a whole segment is unmapped when its last
-        reference goes (here); part of one is emptied in place (MADV_DONTNEED)."""
-        if piece.size < piece.seg.size:
+    def _empty(self, seg: _Segment, off: int, size: int) -> None:
+        """Give ``[off, off + size)``'s pages back to the OS (MADV_DONTNEED): it turns cold; a
+        segment other than the arena goes when it is all cold (unmapped with its last view)."""
+        if _CAN_EMPTY:
             try:
-                piece.seg.mapping.madvise(mmap.MADV_DONTNEED, piece.off, piece.size)
+                seg.mapping.madvise(mmap.MADV_DONTNEED, off, size)
             except (OSError, ValueError):  # the pages stay resident until the segment goes
                 pass
+        seg.add_cold(off, size)
+        if not seg.arena and seg.all_cold():
+            self._segments.remove(seg)
 
     def _release(self, piece: _Piece) -> None:
         with self._lock:
             seg = piece.seg
-            # merged with its free neighbours, so that larger requests find it again
-            for nb in (seg.free_end.get(piece.off), seg.free_at.get(piece.off + piece.size)):
+            self.in_use -= piece.size
+            # merged with its warm neighbours, so that larger requests find it again
+            for nb in (seg.warm_end.get(piece.off), seg.warm_at.get(piece.off + piece.size)):
                 if nb is not None:
                     self._unlink(nb)
                     del self._order[id(nb)]
                     piece = _Piece(seg, min(piece.off, nb.off), piece.size + nb.size)
-            if piece.size > self.limit:
-                self._discard(piece)
-                return
+            if piece.size > self.limit:  # more than the cache may hold: its start is emptied
+                cut = min(piece.size, -(-(piece.size - self.limit) // mmap.PAGESIZE)
+                          * mmap.PAGESIZE)
+                self._empty(seg, piece.off, cut)
+                if cut == piece.size:
+                    return
+                piece = _Piece(seg, piece.off + cut, piece.size - cut)
             self._trim(piece.size)
             self._add(piece)
 
     def _fit(self, cls: int):
-        """The smallest free piece of at least ``cls`` bytes (of those, the most recently freed:
+        """The smallest warm piece of at least ``cls`` bytes (of those, the most recently freed:
         likeliest still in cache), taken out of the cache, or None."""
         best = None
         for piece in reversed(self._order.values()):
-            if (piece.size >= cls if _SPLIT else piece.size == cls) \
-                    and (best is None or piece.size < best.size):
+            if piece.size >= cls and (best is None or piece.size < best.size):
                 best = piece
                 if piece.size == cls:
                     break
@@ -203,6 +264,81 @@ class OutputCache:
             self._unlink(best)
             del self._order[id(best)]
         return best
+
+    def _window(self, cls: int):
+        """``(segment, offset)`` of ``cls`` free bytes in a row (warm and cold ranges side by
+        side) holding the most warm bytes, or None."""
+        best, most = None, -1
+        for seg in self._segments:
+            ranges = sorted([(o, p.size, True) for o, p in seg.warm_at.items()]
+                            + [(o, s, False) for o, s in seg.cold_at.items()])
+            i = 0
+            while i < len(ranges):  # each run of free ranges side by side
+                j, end = i, ranges[i][0] + ranges[i][1]
+                while j + 1 < len(ranges) and ranges[j + 1][0] == end:
+                    j += 1
+                    end += ranges[j][1]
+                run = ranges[i:j + 1]
+                if end - ranges[i][0] >= cls:
+                    for start in [o for o, _, _ in run] + [o + s - cls for o, s, _ in run]:
+                        if ranges[i][0] <= start and start + cls <= end:
+                            warm = sum(_overlap(start, start + cls, o, o + s)
+                                       for o, s, w in run if w)
+                            if warm > most:
+                                best, most = (seg, start), warm
+                i = j + 1
+        return best
+
+    def _claim(self, seg: _Segment, start: int, cls: int) -> int:
+        """Take ``[start, start + cls)`` (free) out of the segment's warm and cold ranges; the
+        parts of ranges outside it stay free. Returns the cold bytes taken."""
+        end, cold = start + cls, 0
+        for off, piece in [(o, p) for o, p in seg.warm_at.items() if _overlap(start, end, o, o + p.size)]:
+            self._unlink(piece)
+            del self._order[id(piece)]
+            for a, b in ((off, start), (end, off + piece.size)):
+                if b > a:
+                    self._add(_Piece(seg, a, b - a))
+        for off, size in [(o, s) for o, s in seg.cold_at.items() if _overlap(start, end, o, o + s)]:
+            a, b = max(off, start), min(off + size, end)
+            seg.take_cold(a, b - a)
+            cold += b - a
+        return cold
+
+    def _new_segment(self, cls: int):
+        """The arena (once: address space for the machine's memory, pages only where written),
+        or where that cannot be mapped, a mapping of ``cls`` bytes. None if out of memory."""
+        if not self._arena_tried:
+            self._arena_tried = True
+            try:
+                size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                size = -(-size // _HUGE) * _HUGE
+                mapping = mmap.mmap(-1, size + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                                    | _MAP_NORESERVE)
+            except (OSError, ValueError, AttributeError, OverflowError):
+                mapping = None
+            if mapping is not None and _CAN_EMPTY:
+                base = np.frombuffer(mapping, dtype=np.uint8, count=1).ctypes.data
+                seg = _Segment(mapping, (-base) % _HUGE, size, True)
+                self._huge_pages(mapping)
+                self._segments.append(seg)
+                return seg
+        try:
+            mapping = mmap.mmap(-1, cls, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError:
+            return None
+        self._huge_pages(mapping)
+        seg = _Segment(mapping, 0, cls, False)
+        self._segments.append(seg)
+        return seg
+
+    @staticmethod
+    def _huge_pages(mapping) -> None:
+        if _HUGE_PAGES:  # as torch's own large tensors (kernels/__init__.py)
+            try:
+                mapping.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # a kernel without THP: 4 KiB pages
+                pass
 
     def _take(self, shape: tuple, dtype: np.dtype):
         """An uninitialized C-contiguous numpy array over a cached (or new) piece, or None where
@@ -215,27 +351,31 @@ class OutputCache:
             piece = self._fit(cls)
             if piece is not None:
                 self.hits += 1
-                if piece.size - cls >= MIN_BYTES and _SPLIT:  # the rest stays cached
+                if piece.size - cls >= MIN_BYTES:  # the rest stays cached
                     self._add(_Piece(piece.seg, piece.off + cls, piece.size - cls))
                     piece = _Piece(piece.seg, piece.off, cls)
+                self.in_use += piece.size
+                self.in_use_peak = max(self.in_use_peak, self.in_use)
             else:
                 self.misses += 1
-                # A miss maps new memory: as many cached bytes go first (oldest first), so that
-                # pieces kept for other sizes do not add to the footprint while it grows.
-                self._shrink_to(self.cached - cls)
-        if piece is None:
-            # its own anonymous mapping: page-aligned, and unmapped when its last piece goes
-            try:
-                mapping = mmap.mmap(-1, cls, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            except OSError:  # out of address space or memory: the caller's allocator says so
-                self.clear()
-                return None
-            if _HUGE_PAGES:  # as torch's own large tensors (kernels/__init__.py)
-                try:
-                    mapping.madvise(mmap.MADV_HUGEPAGE)
-                except OSError:  # a kernel without THP: 4 KiB pages
-                    pass
-            piece = _Piece(_Segment(mapping, cls), 0, cls)
+                where = self._window(cls)
+                if where is None:
+                    seg = self._new_segment(cls)
+                    if seg is None:  # out of address space or memory: the caller's allocator
+                        self.clear()
+                        return None
+                    where = self._window(cls)
+                seg, start = where
+                self._claim(seg, start, cls)
+                piece = _Piece(seg, start, cls)
+                self.in_use += cls
+                self.in_use_peak = max(self.in_use_peak, self.in_use)
+                # New pages: cached bytes go (oldest first) as far as the footprint (in use +
+                # cached) would pass the most ever in use, plus an eighth for the pieces'
+                # fragmentation, so that pieces kept for other sizes do not add to the memory
+                # while it grows; below that, they stay for the requests after (emptied, they
+                # would be new pages again next step).
+                self._shrink_to(self.in_use_peak + self.in_use_peak // 8 - self.in_use)
         arr = piece.view()[:nbytes].view(dtype).reshape(shape)
         # the last reference to arr (the tensor's storage, a view, ...) returns the piece
         weakref.finalize(arr, self._release, piece).atexit = False

@@ -13,7 +13,7 @@ import torch
 
 import kernels
 from kernels import CSR
-from kernels._outcache import CACHE, MIN_BYTES, size_class
+from kernels._outcache import CACHE, MIN_BYTES, OutputCache, size_class
 
 # outputs [N, F] float32 of 1 MiB, edge values [E, F] of 5 MiB: both large enough for the cache
 N, E, F = 8192, 40_000, 32
@@ -94,14 +94,18 @@ def test_limit_evicts_the_oldest_and_zero_turns_it_off(csr, cache):
     one = size_class(N * F * 4)
     kernels.set_output_cache_limit(2 * one)
     ys = [kernels.gspmm(csr, "copy_u", "sum", u=x_of(s), backend="numba") for s in range(3)]
-    ptrs = [y.data_ptr() for y in ys]
+    spans = [(y.data_ptr(), y.data_ptr() + one) for y in ys]
     while ys:  # freed in order 0, 1, 2
         ys.pop(0)
     s = cache.stats()
-    assert s["cached_blocks"] == 2 and s["cached_bytes"] == 2 * one
-    # the two kept are the last two freed; the most recently freed is handed out first
-    assert {b.ctypes.data for b in cache._free_views()} == set(ptrs[1:])
-    assert kernels.gspmm(csr, "copy_u", "sum", u=x_of(0), backend="numba").data_ptr() == ptrs[2]
+    assert s["cached_bytes"] == 2 * one  # the limit
+    # what is kept is the last two freed (merged where they lie side by side)
+    kept = sorted((v.ctypes.data, v.ctypes.data + len(v)) for v in cache._free_views())
+    assert sum(b - a for a, b in kept) == 2 * one
+    assert all(any(a <= lo and hi <= b for a, b in kept) for lo, hi in spans[1:])
+    y = kernels.gspmm(csr, "copy_u", "sum", u=x_of(0), backend="numba")
+    assert any(a <= y.data_ptr() < b for a, b in kept) and cache.stats()["cached_bytes"] == one
+    del y
     kernels.set_output_cache_limit(0)
     assert cache.stats()["cached_bytes"] == 0
     hits = cache.stats()["hits"] + cache.stats()["misses"]
@@ -202,9 +206,10 @@ def test_blocks_freed_by_other_threads(cache):
     for t in threads:
         t.join()
     s = cache.stats()
-    assert not errors and s["cached_blocks"] == 16 and s["cached_bytes"] == 16 * MIN_BYTES
+    assert not errors and s["cached_bytes"] == 16 * MIN_BYTES
     again = [cache.empty(shape, torch.float32) for _ in range(16)]
-    assert len({t.data_ptr() for t in again}) == 16 and cache.stats()["cached_blocks"] == 0
+    assert len({t.data_ptr() for t in again}) == 16 and cache.stats()["cached_bytes"] == 0
+    assert cache.stats()["misses"] == s["misses"]
 
 
 @pytest.mark.parametrize("bad", [-1, "1GiB", 1.5, True, None])
@@ -228,80 +233,109 @@ def test_the_environment_sets_the_limit_and_a_bad_value_says_how():
     assert "NGRA_KERNEL_OUTPUT_CACHE='2GiB'" in bad.stderr and "byte count" in bad.stderr
 
 
-def test_a_miss_releases_as_many_cached_bytes_as_it_maps(cache):
-    """Blocks kept for other sizes go first, oldest first, when a request maps new memory: the
-    cache then adds nothing on top of the memory in use while that grows. Hits release nothing."""
-    small, large = MIN_BYTES // 4, 3 * MIN_BYTES // 4  # float32 elements: 1 MiB and 3 MiB
-    ts = [cache.empty((small,), torch.float32) for _ in range(4)]
-    ptrs = [t.data_ptr() for t in ts]
-    while ts:  # freed oldest first: 0, 1, 2, 3
-        ts.pop(0)
-    assert cache.stats()["cached_bytes"] == 4 * MIN_BYTES
-    hit = cache.empty((small,), torch.float32)  # the most recently freed; nothing released
-    assert hit.data_ptr() == ptrs[3] and cache.stats()["cached_bytes"] == 3 * MIN_BYTES
-    before = cache.stats()
-    big = cache.empty((large,), torch.float32)  # a miss of 3 MiB releases the 3 cached blocks
-    after = cache.stats()
-    assert after["misses"] == before["misses"] + 1 and after["cached_bytes"] == 0
-    del big, hit
-    assert cache.stats()["cached_bytes"] == size_class(3 * MIN_BYTES) + MIN_BYTES
-    again = cache.empty((small // 2,), torch.float32)  # too small for the cache: no miss
-    assert cache.stats()["cached_bytes"] == size_class(3 * MIN_BYTES) + MIN_BYTES
-    del again
-    odd = cache.empty((5 * MIN_BYTES // 16,), torch.float32)  # 1.25 MiB: split off the 3 MiB
-    s = cache.stats()
-    assert s["misses"] == after["misses"] and s["cached_blocks"] == 2
-    assert s["cached_bytes"] == MIN_BYTES + size_class(3 * MIN_BYTES) - size_class(5 * MIN_BYTES // 4)
-    del odd  # merged back into its 3 MiB block
-    assert cache.stats()["cached_bytes"] == size_class(3 * MIN_BYTES) + MIN_BYTES
-    four = cache.empty((MIN_BYTES,), torch.float32)  # 4 MiB: no piece that large; 4 MiB go
-    s = cache.stats()
-    assert s["misses"] == after["misses"] + 1 and s["cached_bytes"] == 0
-    del four
+MIB = MIN_BYTES // 4  # float32 elements per MiB
 
 
-def test_a_larger_piece_is_split_and_merged_back_when_freed(cache):
-    """A request no piece of its size serves takes the smallest larger piece's start (a hit: no
-    new memory), the rest staying cached; freed pieces merge with free neighbours, so that the
-    whole block serves a request of its size again."""
-    mib = MIN_BYTES // 4  # float32 elements per MiB
-    big = cache.empty((8 * mib,), torch.float32)
+@pytest.fixture
+def own():
+    """A cache of its own (its own arena), so that pieces lie where these tests put them."""
+    return OutputCache(256 << 20)
+
+
+def test_a_larger_piece_is_split_and_merged_back_when_freed(own):
+    """A request no warm piece of its size serves takes the smallest larger piece's start (a
+    hit: no new pages), the rest staying cached; freed pieces merge with warm neighbours, so
+    that the whole serves a request of its size again."""
+    big = own.empty((8 * MIB,), torch.float32)
     base = big.data_ptr()
     del big
-    before = cache.stats()
-    a = cache.empty((2 * mib,), torch.float32)
-    assert a.data_ptr() == base
-    assert cache.stats()["cached_bytes"] == 6 * MIN_BYTES
-    b = cache.empty((6 * mib,), torch.float32)  # the rest, exactly
-    assert b.data_ptr() == base + 2 * MIN_BYTES and cache.stats()["cached_bytes"] == 0
+    before = own.stats()
+    a = own.empty((2 * MIB,), torch.float32)
+    assert a.data_ptr() == base and own.stats()["cached_bytes"] == 6 * MIN_BYTES
+    b = own.empty((6 * MIB,), torch.float32)  # the rest, exactly
+    assert b.data_ptr() == base + 2 * MIN_BYTES and own.stats()["cached_bytes"] == 0
     a.fill_(1.0)
     b.fill_(2.0)
-    assert float(a.sum()) == 2 * mib  # the pieces do not overlap
+    assert float(a.sum()) == 2 * MIB  # the pieces do not overlap
     del a
-    assert cache.stats()["cached_blocks"] == 1
+    assert own.stats()["cached_blocks"] == 1
     del b  # merged with its freed neighbour: one 8 MiB piece
-    s = cache.stats()
+    s = own.stats()
     assert s["cached_blocks"] == 1 and s["cached_bytes"] == 8 * MIN_BYTES
-    again = cache.empty((8 * mib,), torch.float32)
+    again = own.empty((8 * MIB,), torch.float32)
     assert again.data_ptr() == base
-    assert cache.stats()["misses"] == before["misses"] and cache.stats()["hits"] == before["hits"] + 3
-    del again
+    s = own.stats()
+    assert s["misses"] == before["misses"] and s["hits"] == before["hits"] + 3
 
 
-def test_pieces_of_a_block_trimmed_away_leave_the_rest_usable(cache):
-    """Trimming the cache to a limit releases the oldest pieces, also part of a block whose
-    other part is in use (its pages given back), without touching the part in use."""
-    mib = MIN_BYTES // 4
-    big = cache.empty((8 * mib,), torch.float32)
+def test_a_miss_takes_the_stretch_with_the_most_warm_bytes(own):
+    """No warm piece is large enough: the request takes warm and emptied ranges side by side,
+    the most warm bytes it can (here the 4 MiB freed after the piece in use, and 1 MiB of new
+    pages past it, rather than the 4 MiB before it)."""
+    a, b, c = (own.empty((n * MIB,), torch.float32) for n in (4, 1, 4))
+    assert b.data_ptr() == a.data_ptr() + 4 * MIN_BYTES == c.data_ptr() - MIN_BYTES
+    c_ptr = c.data_ptr()
+    del a, c
+    before = own.stats()
+    d = own.empty((5 * MIB,), torch.float32)
+    s = own.stats()
+    assert d.data_ptr() == c_ptr and s["misses"] == before["misses"] + 1
+    # 6 MiB in use and 4 cached: within the most ever in use (9 MiB) and an eighth, so the
+    # 4 MiB piece stays cached
+    assert s["cached_bytes"] == 4 * MIN_BYTES
+    d.fill_(1.0)
+    assert float(d.sum()) == 5 * MIB and float(b.fill_(2.0).sum()) == 2 * MIB
+
+
+def test_a_miss_past_the_most_in_use_empties_the_oldest(own):
+    """Growing past the most ever in use, a miss empties cached pieces, oldest first, as far as
+    in use + cached would pass that plus an eighth (so they do not sit on top of the growth)."""
+    olds = [own.empty((n * MIB,), torch.float32) for n in (8, 1, 8, 1)]
+    keep = olds[1], olds[3]
+    del olds
+    assert own.stats()["cached_bytes"] == 16 * MIN_BYTES and own.in_use_peak == 18 * MIN_BYTES
+    before = own.stats()
+    big = own.empty((24 * MIB,), torch.float32)  # in use 26 MiB: a new most
+    s = own.stats()
+    assert s["misses"] == before["misses"] + 1 and own.in_use_peak == 26 * MIN_BYTES
+    # budget: 26 + 26 / 8 = 29.25 MiB, in use 26 MiB: at most 3.25 MiB cached, so both 8 MiB
+    # pieces (the only cached ones) are emptied
+    assert s["cached_bytes"] == 0
     del big
-    kept = cache.empty((3 * mib,), torch.float32).fill_(5.0)
-    assert cache.stats()["cached_bytes"] == 5 * MIN_BYTES
-    cache.set_limit(0)
-    assert cache.stats()["cached_bytes"] == 0
-    assert float(kept.sum()) == 15.0 * mib
-    cache.set_limit(256 << 20)
-    del kept  # returned alone (its former neighbour is gone)
-    assert cache.stats()["cached_bytes"] == 3 * MIN_BYTES
+    assert own.stats()["cached_bytes"] == 24 * MIN_BYTES
+    small = own.empty((2 * MIB,), torch.float32)  # a hit: nothing emptied
+    assert own.stats()["cached_bytes"] == 22 * MIN_BYTES
+    del small, keep
+
+
+def test_pieces_of_a_block_trimmed_away_leave_the_rest_usable(own):
+    """Trimming the cache to a limit empties the oldest pieces, also next to a piece in use,
+    without touching that piece; the emptied range serves later requests (as new pages)."""
+    big = own.empty((8 * MIB,), torch.float32)
+    base = big.data_ptr()
+    del big
+    kept = own.empty((3 * MIB,), torch.float32).fill_(5.0)
+    assert own.stats()["cached_bytes"] == 5 * MIN_BYTES
+    own.set_limit(0)
+    assert own.stats()["cached_bytes"] == 0
+    assert float(kept.sum()) == 5.0 * 3 * MIB
+    own.set_limit(256 << 20)
+    again = own.empty((5 * MIB,), torch.float32).fill_(1.0)  # the emptied range, zero-filled anew
+    assert again.data_ptr() == base + 3 * MIN_BYTES and float(again.sum()) == 5 * MIB
+    del kept  # returned; its neighbour is in use
+    assert own.stats()["cached_bytes"] == 3 * MIN_BYTES
+    del again  # merged: the whole 8 MiB again
+    assert own.stats()["cached_blocks"] == 1 and own.stats()["cached_bytes"] == 8 * MIN_BYTES
+
+
+def test_a_piece_larger_than_the_limit_keeps_only_the_limit(own):
+    own.set_limit(3 * MIN_BYTES)
+    t = own.empty((5 * MIB,), torch.float32)
+    ptr = t.data_ptr()
+    del t
+    views = own._free_views()
+    assert own.stats()["cached_bytes"] == 3 * MIN_BYTES and len(views) == 1
+    assert views[0].ctypes.data == ptr + 2 * MIN_BYTES  # the start was emptied
 
 
 @pytest.mark.parametrize("preset", [None, "0"])
