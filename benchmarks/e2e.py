@@ -28,7 +28,10 @@ ngra`` sets) and glibc's default allocator settings.
   ``apply_edges``, ``edge_softmax``; PyG: ``MessagePassing.propagate`` and ``edge_updater``,
   which include the message and aggregation code), *forward dense* the rest of the forward and
   the loss (linear layers, activations, dropout, normalisation, self loops), *backward*
-  ``loss.backward()``, *optimizer* ``opt.step()`` + ``zero_grad``.
+  ``loss.backward()``, *optimizer* ``opt.step()`` + ``zero_grad``. With it, the epoch's page
+  faults (``ru_minflt``: first touches of new pages, one per 4 KiB or 2 MiB huge page) and its
+  system CPU time (``ru_stime``, mostly those faults: on the project's VM a fresh 2 MiB page cost
+  about 2 ms).
 - **Memory**: ``peak RSS`` is the worker's resident high-water mark over its whole life (data,
   graph formats, warm-up and timed epochs; not the rate probe an ngra worker runs first, whose
   peak is reset): the larger of ``VmHWM`` before the reset below and at the end. (``ru_maxrss``
@@ -219,6 +222,7 @@ def worker(spec_path):
             hwm_warmup = _status("VmHWM")  # the peak of loading and warm-up
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         out = forward()
         loss = F.cross_entropy(out, y)
@@ -230,11 +234,15 @@ def worker(spec_path):
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
         losses.append(float(loss))
         del loss
         if i >= spec["warmup"]:
             epochs.append({"epoch": t3 - t0, "fwd_dense": t1 - t0 - g, "fwd_graph": g,
-                           "backward": t2 - t1, "optimizer": t3 - t2})
+                           "backward": t2 - t1, "optimizer": t3 - t2,
+                           # new pages the epoch touched, and the kernel's time on them (mostly)
+                           "page_faults": r1.ru_minflt - r0.ru_minflt,
+                           "sys_s": r1.ru_stime - r0.ru_stime})
     hwm = _status("VmHWM")
     best = min(epochs, key=lambda e: e["epoch"])
     rec = dict(best, epochs=[e["epoch"] for e in epochs], loss=losses[0], loaded=loaded,
@@ -460,7 +468,8 @@ def main(argv=None):
                                      **{k: v for k, v in r.items() if k != "epochs"}))
                     msg = r.get("error") or (f"epoch {_fmt_s(r['epoch'])} s (fwd dense {_fmt_s(r['fwd_dense'])}, "
                                              f"fwd graph {_fmt_s(r['fwd_graph'])}, bwd {_fmt_s(r['backward'])}, "
-                                             f"opt {_fmt_s(r['optimizer'])}); peak RSS {_gib(r['peak_rss'])} GiB "
+                                             f"opt {_fmt_s(r['optimizer'])}; {r['page_faults']} page faults, "
+                                             f"system {_fmt_s(r['sys_s'])} s); peak RSS {_gib(r['peak_rss'])} GiB "
                                              f"(loaded {_gib(r['loaded'])}, epoch peak +{_gib(r['epoch_peak'])}); "
                                              f"loss {r['loss']:.4f}")
                     if "worker_roofline_s" in r and "error" not in r:
@@ -502,7 +511,7 @@ def main(argv=None):
     _table(rows)
     with open(out / "e2e.csv", "w", newline="") as f:
         keys = ["graph", "N", "E", "model", "framework", "round", "epoch", "fwd_dense", "fwd_graph", "backward",
-                "optimizer", "peak_rss", "loaded", "epoch_peak", "ru_maxrss", "loss", "best_roofline_s",
+                "optimizer", "page_faults", "sys_s", "peak_rss", "loaded", "epoch_peak", "ru_maxrss", "loss", "best_roofline_s",
                 "roofline_s", "gemm_flops",
                 "graph_bytes", "gemm_rate", "copy_rate", "worker_roofline_s", "worker_gemm_rate",
                 "worker_copy_rate", "torch", "error"]

@@ -40,6 +40,7 @@ def test_e2e_tiny(tmp_path, with_dgl):
         parts = sum(float(r[k]) for k in ("fwd_dense", "fwd_graph", "backward", "optimizer"))
         assert parts == pytest.approx(float(r["epoch"]), rel=1e-6)
         assert 0 < float(r["loss"]) < 100
+        assert int(r["page_faults"]) >= 0 and float(r["sys_s"]) >= 0
         # ngra's workers measure the machine's rates again, first thing: their roofline
         assert bool(r["worker_roofline_s"]) == (r["framework"] == "ngra")
         if r["framework"] == "ngra":
