@@ -30,8 +30,8 @@ ngra`` sets) and glibc's default allocator settings.
   the loss (linear layers, activations, dropout, normalisation, self loops), *backward*
   ``loss.backward()``, *optimizer* ``opt.step()`` + ``zero_grad``. With it, the epoch's page
   faults (``ru_minflt``: first touches of new pages, one per 4 KiB or 2 MiB huge page) and its
-  system CPU time (``ru_stime``, mostly those faults: on the project's VM a fresh 2 MiB page cost
-  about 2 ms).
+  system CPU time (``ru_stime``: those faults, on the project's VM about 2 ms per fresh 2 MiB
+  page, and the worker threads' waits and wake-ups in the kernel).
 - **Memory**: ``peak RSS`` is the worker's resident high-water mark over its whole life (data,
   graph formats, warm-up and timed epochs; not the rate probe an ngra worker runs first, whose
   peak is reset): the larger of ``VmHWM`` before the reset below and at the end. (``ru_maxrss``
@@ -240,7 +240,7 @@ def worker(spec_path):
         if i >= spec["warmup"]:
             epochs.append({"epoch": t3 - t0, "fwd_dense": t1 - t0 - g, "fwd_graph": g,
                            "backward": t2 - t1, "optimizer": t3 - t2,
-                           # new pages the epoch touched, and the kernel's time on them (mostly)
+                           # new pages the epoch touched, and the time spent in the kernel
                            "page_faults": r1.ru_minflt - r0.ru_minflt,
                            "sys_s": r1.ru_stime - r0.ru_stime})
     hwm = _status("VmHWM")
