@@ -31,12 +31,14 @@ A miss then empties warm pieces, oldest first, as far as the bytes in use plus c
 pass the most ever in use plus an eighth: pieces kept for other sizes do not add to the
 footprint while it grows (with pieces cached per size, GAT's peak was 0.16 GiB higher without
 it), and the eighth leaves room for the pieces' fragmentation, which otherwise emptied and
-refaulted 0.15-0.3 GiB per GAT epoch. The memory is returned to the cache by a ``weakref.finalize`` on the numpy array the
-tensor was made from (``torch.from_numpy``), which runs, with the GIL, in whichever thread frees
-the last reference (autograd's included). Such a tensor behaves like any other, except that its
-storage cannot grow in place: ``resize_`` to more elements (or an ``out=`` argument of another
-size) raises torch's "Trying to resize storage that is not resizable"; ``.clone()`` it first, or
-turn the cache off.
+refaulted 0.15-0.3 GiB per GAT epoch.
+
+A piece comes back to the cache through a ``weakref.finalize`` on the numpy array the tensor was
+made from (``torch.from_numpy``), which runs, with the GIL, in whichever thread frees the last
+reference (autograd's included). Such a tensor behaves like any other, except that its storage
+cannot grow in place: ``resize_`` to more elements (or an ``out=`` argument of another size)
+raises torch's "Trying to resize storage that is not resizable"; ``.clone()`` it first, or turn
+the cache off.
 """
 
 from __future__ import annotations
@@ -293,7 +295,8 @@ class OutputCache:
         """Take ``[start, start + cls)`` (free) out of the segment's warm and cold ranges; the
         parts of ranges outside it stay free. Returns the cold bytes taken."""
         end, cold = start + cls, 0
-        for off, piece in [(o, p) for o, p in seg.warm_at.items() if _overlap(start, end, o, o + p.size)]:
+        warm = [(o, p) for o, p in seg.warm_at.items() if _overlap(start, end, o, o + p.size)]
+        for off, piece in warm:
             self._unlink(piece)
             del self._order[id(piece)]
             for a, b in ((off, start), (end, off + piece.size)):
