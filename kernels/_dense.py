@@ -129,9 +129,15 @@ def _weight_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     rounding, and faster for a long, narrow x: [18K, 6805] / [18K, 64] 144 -> 122 ms, [1M, 64] /
     [1M, 16] 46 -> 41 ms) and torch's ``g^T x`` otherwise (``benchmarks/gemm_orientation.py``).
     """
-    if g.shape[1] >= min(x.shape[1], 16):
+    if _wide(x, g):
         return x.t().mm(g).t().contiguous()
     return g.t().mm(x)
+
+
+def _wide(x: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether a weight gradient of ``x`` [N, in] and ``g`` [N, out] is computed as
+    ``(x^T g)^T`` (see :func:`_weight_grad`)."""
+    return g.shape[1] >= min(x.shape[1], 16)
 
 
 def _weight_grad_dropped(x: torch.Tensor, p: float, seed: int, g: torch.Tensor) -> torch.Tensor:
@@ -140,7 +146,7 @@ def _weight_grad_dropped(x: torch.Tensor, p: float, seed: int, g: torch.Tensor) 
     product accumulated in row order: no [N, in] tensor (fresh pages, or a cached block held
     for it), its writes and reads in cache. The same sums as :func:`_weight_grad`'s GEMM in
     another grouping (equal up to rounding)."""
-    wide = g.shape[1] >= min(x.shape[1], 16)  # the orientation of _weight_grad
+    wide = _wide(x, g)
     acc = torch.zeros((x.shape[1], g.shape[1]) if wide else (g.shape[1], x.shape[1]),
                       dtype=g.dtype)
     for r0, r1, xd in _dropout.chunks(x, p, seed):

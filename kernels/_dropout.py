@@ -62,12 +62,16 @@ def _threshold(p: float) -> int:
     return int(round((1.0 - p) * (1 << 24)))
 
 
+def _kernel_args(p: float, seed, dtype: torch.dtype) -> tuple:
+    """``(seed, threshold, scale)`` as the dropout kernels take them."""
+    return np.uint64(seed), np.uint64(_threshold(p)), _scalar(1.0 / (1.0 - p), dtype)
+
+
 def _apply(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     xc = x.detach().contiguous()
     out = _CACHE.empty(tuple(xc.shape), xc.dtype)
-    threshold = np.uint64(_threshold(p))
-    _dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), np.uint64(seed), threshold,
-                    _scalar(1.0 / (1.0 - p), xc.dtype), np.uint64(0))
+    _dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1),
+                    *_kernel_args(p, seed, xc.dtype), np.uint64(0))
     return out
 
 
@@ -127,7 +131,7 @@ def chunks(x: torch.Tensor, p: float, seed: int):
     rows = max(1, CHUNK_BYTES // max(1, width * xc.element_size()))
     buf = _CACHE.empty((min(rows, n),) + tuple(xc.shape[1:]), xc.dtype)
     flat, bflat = xc.numpy().reshape(-1), buf.numpy().reshape(-1)
-    args = (np.uint64(seed), np.uint64(_threshold(p)), _scalar(1.0 / (1.0 - p), xc.dtype))
+    args = _kernel_args(p, seed, xc.dtype)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         _dropout_kernel(flat[r0 * width:r1 * width], bflat[:(r1 - r0) * width], *args,
@@ -175,7 +179,7 @@ def _act_forward(ctx, kernel, x, p, seed):
     threshold, scale)`` for backward. Returns ``(out, what the kernel returned)``."""
     xc = x.detach().contiguous()
     out = _CACHE.empty(tuple(xc.shape), xc.dtype)
-    ctx.args = (np.uint64(seed), np.uint64(_threshold(p)), _scalar(1.0 / (1.0 - p), xc.dtype))
+    ctx.args = _kernel_args(p, seed, xc.dtype)
     count = kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), *ctx.args)
     ctx.save_for_backward(out)
     return out, count

@@ -291,10 +291,10 @@ class OutputCache:
                 i = j + 1
         return best
 
-    def _claim(self, seg: _Segment, start: int, cls: int) -> int:
+    def _claim(self, seg: _Segment, start: int, cls: int) -> None:
         """Take ``[start, start + cls)`` (free) out of the segment's warm and cold ranges; the
-        parts of ranges outside it stay free. Returns the cold bytes taken."""
-        end, cold = start + cls, 0
+        parts of ranges outside it stay free."""
+        end = start + cls
         warm = [(o, p) for o, p in seg.warm_at.items() if _overlap(start, end, o, o + p.size)]
         for off, piece in warm:
             self._unlink(piece)
@@ -305,8 +305,6 @@ class OutputCache:
         for off, size in [(o, s) for o, s in seg.cold_at.items() if _overlap(start, end, o, o + s)]:
             a, b = max(off, start), min(off + size, end)
             seg.take_cold(a, b - a)
-            cold += b - a
-        return cold
 
     def _new_segment(self, cls: int):
         """The arena (once: address space for the machine's memory, pages only where written),
@@ -343,6 +341,10 @@ class OutputCache:
             except OSError:  # a kernel without THP: 4 KiB pages
                 pass
 
+    def _hand_out(self, piece: _Piece) -> None:
+        self.in_use += piece.size
+        self.in_use_peak = max(self.in_use_peak, self.in_use)
+
     def _take(self, shape: tuple, dtype: np.dtype):
         """An uninitialized C-contiguous numpy array over a cached (or new) piece, or None where
         the cache does not serve the request (too small, turned off, bypassed, out of memory)."""
@@ -357,8 +359,7 @@ class OutputCache:
                 if piece.size - cls >= MIN_BYTES:  # the rest stays cached
                     self._add(_Piece(piece.seg, piece.off + cls, piece.size - cls))
                     piece = _Piece(piece.seg, piece.off, cls)
-                self.in_use += piece.size
-                self.in_use_peak = max(self.in_use_peak, self.in_use)
+                self._hand_out(piece)
             else:
                 self.misses += 1
                 where = self._window(cls)
@@ -371,8 +372,7 @@ class OutputCache:
                 seg, start = where
                 self._claim(seg, start, cls)
                 piece = _Piece(seg, start, cls)
-                self.in_use += cls
-                self.in_use_peak = max(self.in_use_peak, self.in_use)
+                self._hand_out(piece)
                 # New pages: cached bytes go (oldest first) as far as the footprint (in use +
                 # cached) would pass the most ever in use, plus an eighth for the pieces'
                 # fragmentation, so that pieces kept for other sizes do not add to the memory
