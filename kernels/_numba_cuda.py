@@ -60,6 +60,15 @@ def unusable_reason():
             return "numba.cuda finds no usable GPU/driver"
     except Exception as err:  # a broken driver install raises rather than returning False
         return f"numba.cuda failed to initialise: {type(err).__name__}: {err}"
+    try:
+        # numba.cuda loads its numpy support at a kernel's first compile, where a numpy newer than
+        # it knows fails deep inside (numba-cuda 0.30.4 with numpy 2.5: np.row_stack is gone);
+        # loading it here turns that into a reason, and "auto" into the torch backend
+        import numba.cuda.cudaimpl  # noqa: F401
+    except Exception as err:
+        return (f"numba.cuda cannot load its numpy support with numpy {np.__version__} "
+                f"({type(err).__name__}: {err}); install a numpy release that your numba-cuda "
+                f"supports (numpy<2.5 for numba-cuda 0.30) or a newer numba-cuda")
     return None
 
 

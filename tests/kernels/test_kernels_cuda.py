@@ -2,6 +2,7 @@
 determinism, torch's current stream, dtypes it refuses. Runs in the CUDA simulator on tiny graphs
 (CI) and on CUDA tensors with realistic sizes on a GPU (NUMBA_ENABLE_CUDASIM=0)."""
 
+import numpy as np
 import pytest
 import torch
 from kernels_testutil import CUDA_DEVICE, CUDA_SIM
@@ -217,3 +218,18 @@ def test_scalar_helpers_are_shared_with_the_cpu_backend():
     for name, want in ops.items():
         assert _scalar.bop(_scalar._CODE[name], 2.0, 8.0) == want
     assert [_scalar.row(_scalar._TARGET[t], 5, 6, 7) for t in "uve"] == [5, 6, 7]
+
+
+def test_numpy_support_that_cannot_load_is_named(monkeypatch):
+    """numba.cuda loads its numpy support at a kernel's first compile, where a numpy it does not
+    know fails deep inside numba (numba-cuda 0.30.4 with numpy 2.5). unusable_reason loads it first
+    and names numpy and the fix, so that "auto" takes the torch backend and an explicit
+    "numba_cuda" says why."""
+    import sys
+
+    monkeypatch.setattr(_numba_cuda, "simulated", lambda: False)
+    monkeypatch.setattr(_numba_cuda.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "numba.cuda.cudaimpl", None)  # its import now fails
+    reason = _numba_cuda.unusable_reason()
+    assert reason is not None
+    assert f"numpy {np.__version__}" in reason and "numba-cuda" in reason, reason
