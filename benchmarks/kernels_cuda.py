@@ -16,6 +16,7 @@ Outputs: a table on stdout, ``kernels_cuda.csv`` and ``kernels_cuda.png`` in ``-
 ``git show REV:kernels/_numba_cuda.py > /tmp/prev.py``) is timed in the same rounds.
 
     python benchmarks/kernels_cuda.py --out results/kernels_cuda          # on a GPU machine
+    python benchmarks/kernels_cuda.py --only edge_softmax --heads 1,4     # GAT's softmax alone
     NUMBA_ENABLE_CUDASIM=1 python benchmarks/kernels_cuda.py --tiny --out /tmp/kc   # smoke test:
         # CUDA simulator on CPU tensors, wall-clock timing; its numbers mean nothing
 """
@@ -25,12 +26,12 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.util
+import re
 import sys
 import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -266,10 +267,14 @@ def build_cases(args, gname, n, e):
             for op, red in (("copy_u", "sum"), ("copy_u", "max"), ("u_mul_e", "sum")):
                 cases.append(dict(kernel="gspmm", op=op, reduce=red, F=f, **{"pass": p}))
             cases.append(dict(kernel="gsddmm", op="u_dot_v", reduce="-", F=f, **{"pass": p}))
-    for p in ("fwd", "bwd"):
-        cases.append(dict(kernel="edge_softmax", op="-", reduce="-", F=1, **{"pass": p}))
+    for h in [int(h) for h in args.heads.split(",")]:
+        for p in ("fwd", "bwd"):
+            cases.append(dict(kernel="edge_softmax", op="-", reduce="-", F=h, **{"pass": p}))
     for c in cases:
         c.update(graph=gname, N=n, E=e)
+        c["key"] = f"{gname}|{c['kernel']}|{c['op']}|{c['reduce']}|F{c['F']}|{c['pass']}"
+    if args.only:  # a graph may have none (checked across graphs in main)
+        cases = [c for c in cases if re.search(args.only, c["key"])]
     return cases
 
 
@@ -282,10 +287,21 @@ def main():
     ap.add_argument("--reps", type=int, default=None, help="timed runs per method (best kept)")
     ap.add_argument("--graphs", default="", help="comma list: uniform, rmat")
     ap.add_argument("--feats", default="", help="comma list of feature sizes")
+    ap.add_argument("--heads", default="1",
+                    help="comma list of edge softmax score widths (GAT's heads), default 1")
+    ap.add_argument("--only", default="", metavar="REGEX",
+                    help="keep the cases whose key (graph|kernel|op|reduce|F<n>|pass) matches, "
+                         "e.g. 'edge_softmax' or 'gspmm.*F64.fwd'")
     ap.add_argument("--baseline-module", default="",
                     help="file of another numba_cuda implementation to time alongside")
     ap.add_argument("--out", default=str(REPO / "results" / "kernels_cuda"))
     args = ap.parse_args()
+    try:
+        re.compile(args.only)
+        [int(h) for h in args.heads.split(",")]
+    except (re.error, ValueError) as err:
+        ap.error(f"--only {args.only!r} / --heads {args.heads!r}: {err} (--only takes a regular "
+                 f"expression, quoted for the shell; --heads a comma list of integers)")
     reps = args.reps or (1 if args.tiny else 10)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -321,8 +337,14 @@ def main():
     print(f"device copy bandwidth (read + write, best of {reps + 1}): {bw / 1e9:.0f} GB/s",
           flush=True)
 
+    specs = graph_specs(args)
+    if args.only:  # the cases do not depend on the graph's size: name the keys before making any
+        _cpu.select_cases([c for gname, _ in specs for c in build_cases(
+            argparse.Namespace(**{**vars(args), "only": ""}), gname, 0, 0)], re.compile(args.only))
     rows = []
-    for gname, make in graph_specs(args):
+    for gname, make in specs:
+        if not build_cases(args, gname, 0, 0):
+            continue
         t0 = time.perf_counter()
         src_np, dst_np, n = make()
         edge_index = torch.stack([torch.from_numpy(src_np), torch.from_numpy(dst_np)]).to(device)

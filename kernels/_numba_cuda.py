@@ -359,13 +359,16 @@ def _softmax_merge(hrows, hptr, pm, pz, M, Z, zero):
 
 
 @cuda.jit(cache=True)
-def _softmax_edges(dst_ids, eids, S, M, Z, Y):
+def _softmax_edges(edst, S, M, Z, Y):
+    """In edge-id order (``edst``: each edge's destination), so that the [E, F] scores are read
+    and written in order and only the rows' [V, F] (M, Z) are gathered; CSR order read and wrote
+    them through ``eids``, scattered (on an H200, R-MAT 2M / 33.5M: this order 1.2-2.3x faster
+    over the forward and backward)."""
     F = S.shape[1]
-    for t in range(cuda.grid(1), eids.shape[0] * F, cuda.gridsize(1)):
-        k = t // F
-        f = t - k * F
-        e = eids[k]
-        v = dst_ids[k]
+    for t in range(cuda.grid(1), S.shape[0] * F, cuda.gridsize(1)):
+        e = t // F
+        f = t - e * F
+        v = edst[e]
         m = M[v, f]
         if m == -math.inf:  # every score of the row masked: 0/0, NaN as in the torch reference
             Y[e, f] = math.nan
@@ -392,13 +395,12 @@ def _softmax_bwd_rows(segs, eids, Y, G, T, part, zero, g):
 
 
 @cuda.jit(cache=True)
-def _softmax_bwd_edges(dst_ids, eids, Y, G, T, GS):
+def _softmax_bwd_edges(edst, Y, G, T, GS):
     F = Y.shape[1]
-    for t in range(cuda.grid(1), eids.shape[0] * F, cuda.gridsize(1)):
-        k = t // F
-        f = t - k * F
-        e = eids[k]
-        GS[e, f] = Y[e, f] * (G[e, f] - T[dst_ids[k], f])
+    for t in range(cuda.grid(1), Y.shape[0] * F, cuda.gridsize(1)):
+        e = t // F
+        f = t - e * F
+        GS[e, f] = Y[e, f] * (G[e, f] - T[edst[e], f])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -501,6 +503,21 @@ class _Graph:
         self.indptr, self.indices, self.eids = _dev(indptr), _dev(csr.indices), _dev(csr.eids)
         self.dst_ids = _dev(dst_ids)
         self.segs, self.hrows, self.hptr = _dev(segs), _dev(hrows), _dev(hptr)
+        self._csr_eids = csr.eids
+        self._edge_dst = None
+
+    def edge_dst(self):
+        """Each edge's destination in edge-id order [E] (int64), built at first use (the edge
+        softmax's per-edge kernels run in edge-id order) and kept: 8 bytes an edge."""
+        if self._edge_dst is None:
+            dst_ids = self._keep[3]
+            edst = torch.empty_like(dst_ids)
+            edst[self._csr_eids.long()] = dst_ids
+            if edst.device.type == "cuda":  # as in __init__: later calls may run on other streams
+                torch.cuda.current_stream(edst.device).synchronize()
+            self._keep += (edst,)
+            self._edge_dst = _dev(edst)
+        return self._edge_dst
 
     def scratch(self, lo, dtype, device):
         """[num_slots, lo] partial results of split rows (a 1-row stand-in when none)."""
@@ -663,8 +680,8 @@ def edge_softmax(csr, scores):
         if gr.num_split:
             _launch_flat(_softmax_merge, gr.num_split * F, dev, gr.hrows, gr.hptr, _dev(pm),
                          _dev(pz), _dev(M), _dev(Z), zero)
-        _launch_flat(_softmax_edges, csr.num_edges * F, dev, gr.dst_ids, gr.eids, _dev(S),
-                     _dev(M), _dev(Z), _dev(Y))
+        _launch_flat(_softmax_edges, csr.num_edges * F, dev, gr.edge_dst(), _dev(S), _dev(M),
+                     _dev(Z), _dev(Y))
     return Y.reshape(scores.shape)
 
 
@@ -685,6 +702,6 @@ def edge_softmax_backward(csr, y, grad_y):
         if gr.num_split:
             _launch_flat(_merge_sum, gr.num_split * F, dev, gr.hrows, gr.hptr, gr.indptr,
                          _dev(part), _dev(T), False, zero)
-        _launch_flat(_softmax_bwd_edges, csr.num_edges * F, dev, gr.dst_ids, gr.eids, _dev(Y),
+        _launch_flat(_softmax_bwd_edges, csr.num_edges * F, dev, gr.edge_dst(), _dev(Y),
                      _dev(G), _dev(T), _dev(GS))
     return GS.reshape(y.shape)

@@ -34,3 +34,30 @@ def test_kernels_cuda_benchmark_tiny_in_simulator(tmp_path):
     assert {"index_select+index_add_/scatter_reduce", "index_select (u[src]*v[dst]).sum",
             "torch scatter_reduce (ngra torch backend)"} <= baselines
     assert (out / "kernels_cuda.png").stat().st_size > 0
+
+
+def _run(args, out):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kernels_cuda.py"), "--tiny", "--reps", "1",
+         "--out", str(out), *args], capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"))
+
+
+@pytest.mark.slow
+def test_only_and_heads_select_the_edge_softmax_cases(tmp_path):
+    """--only keeps the matching cases, --heads sets the softmax score widths (GAT's heads)."""
+    res = _run(["--only", "rmat.*edge_softmax", "--heads", "1,3"], tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "kernels_cuda.csv")))
+    cases = {(r["graph"], r["kernel"], r["F"], r["pass"]) for r in rows}
+    want = {("rmat-s4-ef3", "edge_softmax", f, p) for f in ("1", "3") for p in ("fwd", "bwd")}
+    assert cases == want
+    for r in rows:
+        if r["check (max rel diff vs ngra)"]:
+            assert float(r["check (max rel diff vs ngra)"]) < 1e-5, r
+
+
+def test_bad_only_or_heads_is_a_clear_error(tmp_path):
+    for args, named in ((["--only", "gspmm("], "gspmm("), (["--heads", "1,four"], "1,four")):
+        res = _run(args, tmp_path)
+        assert res.returncode == 2 and named in res.stderr, res.stderr[-1000:]

@@ -69,9 +69,10 @@ def _match_torch(fn, inputs, g):
     if dtype == torch.float64:
         return _close(got, want, dtype)
     exact = _run("torch", fn, [x.double() for x in inputs], g.double())
-    for name, a, b, x in zip(["output"] + [f"grad {i}" for i in range(len(inputs))], got, want, exact):
+    names = ["output"] + [f"grad {i}" for i in range(len(inputs))]
+    for name, a, b, x in zip(names, got, want, exact):
         fin = torch.isfinite(x)
-        torch.testing.assert_close(a[~fin], b[~fin], equal_nan=True)  # inf / nan where torch has them
+        torch.testing.assert_close(a[~fin], b[~fin], equal_nan=True)  # inf / nan as torch's
         scale = float(x[fin].abs().max()) if fin.any() else 1.0
         err = float((a.double() - x)[fin].abs().max()) if fin.any() else 0.0
         err_torch = float((b.double() - x)[fin].abs().max()) if fin.any() else 0.0
@@ -105,7 +106,9 @@ def test_split_rows_gspmm_match_torch(seg_edges, op, reduce, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("heads", [(), (3,)])
+# heads: one lane per segment, a few, and more features than a lane group (the simulator's 8
+# lanes, a GPU's 32) with the last stride part-filled
+@pytest.mark.parametrize("heads", [(), (3,), (10,), (40,)])
 def test_split_rows_edge_softmax_match_torch(seg_edges, heads, dtype):
     csr = _graph(seg_edges)
     gen = torch.Generator().manual_seed(2)
