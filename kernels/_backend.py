@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
+import warnings
 
 from ._ops import check_choice
 
@@ -69,6 +70,20 @@ def _load(name: str):
     return mod
 
 
+_warned: set = set()
+
+
+def _warn_fallback(name: str) -> None:
+    """Once per backend: "auto" runs the torch reference where ``name`` was wanted, and why (a
+    GPU user would otherwise train on torch's slower ops without knowing)."""
+    with _lock:
+        if name in _warned:
+            return
+        _warned.add(name)
+    warnings.warn(f"backend='auto' uses the torch reference instead of {name!r}: {_unusable[name]}",
+                  RuntimeWarning, stacklevel=3)
+
+
 def current_choice() -> str:
     """The name ``"auto"`` currently stands for (an override, the default, or ``"auto"``)."""
     if _override:
@@ -87,7 +102,10 @@ def resolve(backend: str, device, dtype=None):
     if name == "auto":
         name = "numba_cuda" if device.type == "cuda" else "numba"
         mod = _load(name)
-        if mod is None or (dtype is not None and dtype not in mod.DTYPES):
+        if mod is None:
+            _warn_fallback(name)
+            return _load("torch")
+        if dtype is not None and dtype not in mod.DTYPES:
             return _load("torch")
         return mod
     mod = _load(name)

@@ -414,3 +414,29 @@ def test_gspmm_takes_a_reshape_view_s_tensor(backend, op, reduce):
     (gu,) = torch.autograd.grad(ref_out, u, go)
     assert torch.equal(out, ref_out)
     torch.testing.assert_close(got, gu.reshape(n, -1) + torch.ones(n, 2, dtype=x.dtype) @ w.t())
+
+
+def test_auto_warns_once_when_it_falls_back_to_torch(monkeypatch):
+    """"auto" takes the torch reference where the device's backend cannot load (numba missing,
+    or numba.cuda unable to load its numpy support); it says so once, with the reason, instead of
+    running torch's slower ops unannounced."""
+    import warnings
+
+    from kernels import _backend
+
+    monkeypatch.delitem(_backend._modules, "numba", raising=False)
+    monkeypatch.setitem(_backend._unusable, "numba", "ImportError: no numba (test)")
+    monkeypatch.setattr(_backend, "_warned", set())
+    cpu = torch.device("cpu")
+    with pytest.warns(RuntimeWarning, match=r"torch reference instead of 'numba': ImportError: no"):
+        assert _backend.resolve("auto", cpu).NAME == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _backend.resolve("auto", cpu).NAME == "torch"  # once
+        # a dtype the backend does not compute in is no fallback worth a warning
+        monkeypatch.delitem(_backend._unusable, "numba")
+        assert _backend.resolve("auto", cpu, torch.float16).NAME == "torch"
+    with pytest.raises(ValueError, match="backend 'numba_cuda' is not usable here"):
+        monkeypatch.setitem(_backend._unusable, "numba_cuda", "no GPU (test)")
+        monkeypatch.delitem(_backend._modules, "numba_cuda", raising=False)
+        _backend.resolve("numba_cuda", cpu)
