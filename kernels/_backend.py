@@ -80,8 +80,8 @@ def _warn_fallback(name: str) -> None:
         if name in _warned:
             return
         _warned.add(name)
-    warnings.warn(f"backend='auto' uses the torch reference instead of {name!r}: {_unusable[name]}",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(f"backend='auto' uses the torch reference instead of {name!r}: "
+                  f"{_unusable[name]}", RuntimeWarning, stacklevel=3)
 
 
 def current_choice() -> str:

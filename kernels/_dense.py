@@ -140,8 +140,8 @@ def _wide(x: torch.Tensor, g: torch.Tensor) -> bool:
     return g.shape[1] >= min(x.shape[1], 16)
 
 
-def _weight_grad_dropped(x: torch.Tensor, p: float, seed: int, g: torch.Tensor) -> torch.Tensor:
-    """:func:`_weight_grad` of ``dropout(x, p, seed)`` (``kernels._dropout``) and ``g``, the
+def _weight_grad_dropped(x: torch.Tensor, p: float, seed: int, rows, g: torch.Tensor):
+    """:func:`_weight_grad` of ``dropout(x, p, seed, rows)`` (``kernels._dropout``) and ``g``, the
     dropout made again a few MiB of rows at a time (``_dropout.chunks``) and each chunk's
     product accumulated in row order: no [N, in] tensor (fresh pages, or a cached block held
     for it), its writes and reads in cache. The same sums as :func:`_weight_grad`'s GEMM in
@@ -149,7 +149,7 @@ def _weight_grad_dropped(x: torch.Tensor, p: float, seed: int, g: torch.Tensor) 
     wide = _wide(x, g)
     acc = torch.zeros((x.shape[1], g.shape[1]) if wide else (g.shape[1], x.shape[1]),
                       dtype=g.dtype)
-    for r0, r1, xd in _dropout.chunks(x, p, seed):
+    for r0, r1, xd in _dropout.chunks(x, p, seed, rows):
         if wide:
             acc.addmm_(xd.t(), g[r0:r1])
         else:

@@ -92,50 +92,60 @@ def dropout(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = No
     ``0 < p < 1`` (see :func:`supported`). ``rows`` (int64 [R], non-negative): ``x`` holds rows
     ``rows`` of a larger tensor, and gets exactly their part of that tensor's mask (element j of
     row r is element ``rows[r] * width + j``)."""
-    if rows is not None:
-        return edge_dropout(x, rows, int(seed), _threshold(p), 1.0 / (1.0 - p))
-    out = _Dropout.apply(x, float(p), int(seed))
+    out = _raw(x, float(p), int(seed), rows)
     # how to make ``out`` again (see :func:`recompute`), for a consumer that would keep it
-    out._ngra_dropout_of = (x, x._version, out._version, float(p), int(seed))
+    out._ngra_dropout_of = (x, x._version, out._version, float(p), int(seed), rows)
     return out
 
 
+def _raw(x, p, seed, rows):
+    if rows is not None:
+        return edge_dropout(x, rows, seed, _threshold(p), 1.0 / (1.0 - p))
+    return _Dropout.apply(x, p, seed)
+
+
 def recipe(t: torch.Tensor):
-    """``(x, p, seed)`` where ``t`` is, unchanged, the output of :func:`dropout` (without
-    ``rows``) of ``x``, itself unchanged since: ``recompute(x, p, seed)`` then gives ``t`` bit for
-    bit (same kernel, same mask), so a consumer that needs ``t`` in backward (a Linear's weight
-    gradient) can keep ``x`` (the user's, kept anyway) instead of ``t``. Else None."""
+    """``(x, p, seed, rows)`` where ``t`` is, unchanged, the output of :func:`dropout` of ``x``,
+    itself unchanged since: ``recompute(x, p, seed, rows)`` then gives ``t`` bit for bit (same
+    kernel, same mask), so a consumer that needs ``t`` in backward (a Linear's weight gradient)
+    can keep ``x`` (the user's, kept anyway) instead of ``t``. Else None."""
     of = getattr(t, "_ngra_dropout_of", None)
     if of is None:
         return None
-    x, x_version, t_version, p, seed = of
+    x, x_version, t_version, p, seed, rows = of
     if x._version != x_version or t._version != t_version:  # changed in place since
         return None
-    return x, p, seed
+    return x, p, seed, rows
 
 
-def recompute(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+def recompute(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = None):
     """:func:`dropout`'s value again (differentiable, as :func:`dropout`)."""
-    return _Dropout.apply(x, p, seed)
+    return _raw(x, p, seed, rows)
 
 
 CHUNK_BYTES = 4 << 20  # rows of a dropout made again per step of :func:`chunks` (~ L2 / L3)
 
 
-def chunks(x: torch.Tensor, p: float, seed: int):
-    """``(r0, r1, rows r0:r1 of dropout(x, p, seed))`` for consecutive row ranges of ``x``
+def chunks(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = None):
+    """``(r0, r1, rows r0:r1 of dropout(x, p, seed, rows))`` for consecutive row ranges of ``x``
     [N, F] covering it, each about ``CHUNK_BYTES``, made again in one reused buffer (valid until
     the next step): the values of :func:`dropout`'s, bit for bit, without an [N, F] tensor."""
     xc = x.detach().contiguous()
     n, width = xc.shape[0], math.prod(xc.shape[1:])
-    rows = max(1, CHUNK_BYTES // max(1, width * xc.element_size()))
-    buf = _CACHE.empty((min(rows, n),) + tuple(xc.shape[1:]), xc.dtype)
-    flat, bflat = xc.numpy().reshape(-1), buf.numpy().reshape(-1)
+    step = max(1, CHUNK_BYTES // max(1, width * xc.element_size()))
+    buf = _CACHE.empty((min(step, n),) + tuple(xc.shape[1:]), xc.dtype)
     args = _kernel_args(p, seed, xc.dtype)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        _dropout_kernel(flat[r0 * width:r1 * width], bflat[:(r1 - r0) * width], *args,
-                        np.uint64(r0 * width))
+    if rows is not None:  # a worker's piece: each row's mask by its global row (edge_dropout)
+        x2, b2, ids = xc.numpy().reshape(n, width), buf.numpy().reshape(-1, width), rows.numpy()
+    else:
+        flat, bflat = xc.numpy().reshape(-1), buf.numpy().reshape(-1)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        if rows is not None:
+            _edge_dropout_kernel(x2[r0:r1], b2[:r1 - r0], ids[r0:r1], *args)
+        else:
+            _dropout_kernel(flat[r0 * width:r1 * width], bflat[:(r1 - r0) * width], *args,
+                            np.uint64(r0 * width))
         yield r0, r1, buf[:r1 - r0]
 
 

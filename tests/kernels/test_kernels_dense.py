@@ -248,9 +248,15 @@ def _dropped(dtype, grad_x=False, rows=N + 37):
     return _dropout, x, w, b
 
 
+def _global_rows(n, seed=8):
+    """A distributed-graph worker's rows: n distinct global row ids out of 3n, shuffled."""
+    return torch.randperm(3 * n, generator=torch.Generator().manual_seed(seed))[:n]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("out_features", [64, 4])  # both orientations of the weight gradient
-def test_linear_of_a_dropout_makes_it_again_in_chunks(dtype, out_features, monkeypatch):
+@pytest.mark.parametrize("piece", [False, True])  # a worker's rows, masked by their global ids
+def test_linear_of_a_dropout_makes_it_again_in_chunks(dtype, out_features, piece, monkeypatch):
     """The dropout's output is not kept for the weight gradient (it is freed with its last
     reference): backward makes it again a few rows at a time (forced to many chunks here, the
     last one short), and the gradients equal torch's Linear on the same dropout output."""
@@ -262,7 +268,7 @@ def test_linear_of_a_dropout_makes_it_again_in_chunks(dtype, out_features, monke
     made = []
     orig = _dropout.chunks
     monkeypatch.setattr(_dropout, "chunks", lambda *a: made.append(1) or orig(*a))
-    h = _dropout.dropout(x, 0.5, 1234)
+    h = _dropout.dropout(x, 0.5, 1234, _global_rows(x.shape[0]) if piece else None)
     ref = h.detach().clone()
     gone = weakref.ref(h)
     out = _dense.linear(h, w, b)
@@ -277,12 +283,17 @@ def test_linear_of_a_dropout_makes_it_again_in_chunks(dtype, out_features, monke
     assert torch.equal(gb, want_gb)
 
 
-def test_dropout_chunks_are_the_dropout_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("piece", [False, True])
+def test_dropout_chunks_are_the_dropout_bit_for_bit(piece, monkeypatch):
     _dropout, x, _, _ = _dropped(torch.float32)
     monkeypatch.setattr(_dropout, "CHUNK_BYTES", 777 * 48 * 4)
-    whole = _dropout.dropout(x, 0.3, 99).detach()
+    ids = _global_rows(x.shape[0]) if piece else None
+    whole = _dropout.dropout(x, 0.3, 99, ids).detach()
+    if piece:  # each row's mask is its global row's: as the whole tensor's rows `ids`
+        big = torch.zeros(3 * x.shape[0], 48).index_copy_(0, ids, x.detach())
+        assert torch.equal(whole, _dropout.dropout(big, 0.3, 99, torch.arange(big.shape[0]))[ids])
     parts, ends = [], []
-    for r0, r1, rows in _dropout.chunks(x, 0.3, 99):
+    for r0, r1, rows in _dropout.chunks(x, 0.3, 99, ids):
         parts.append(rows.clone())
         ends.append((r0, r1))
     assert ends[0][0] == 0 and ends[-1][1] == x.shape[0] and len(ends) > 2

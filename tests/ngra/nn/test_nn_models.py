@@ -113,3 +113,33 @@ def test_bad_arguments():
     g = make_graph("random")
     with pytest.raises(TypeError, match="unexpected keyword argument 'edge_type'"):
         build_model("gcn", 6, 8, 3)(g, torch.randn(17, 6), edge_type=torch.zeros(60, dtype=torch.long))
+
+
+def test_input_dropout_on_a_workers_piece_is_made_again_for_the_linear(monkeypatch):
+    """On a distributed graph's piece (rows named by ``g.global_ids``) the model's input dropout
+    carries its recipe with those rows: the first Linear keeps the features, not the dropout's
+    output, and its weight gradient (made again chunk by chunk with each row's global mask)
+    equals torch's Linear on the kept output."""
+    from types import SimpleNamespace
+
+    from kernels import _dense, _dropout
+    from ngra.nn import models
+
+    n = 9000  # a Linear output of at least 1 MiB, which the cached Linear takes
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 40, generator=gen)
+    ids = torch.randperm(3 * n, generator=gen)[:n].to(torch.int32)
+    torch.manual_seed(3)
+    h = models._dropout(x, 0.5, True, SimpleNamespace(global_ids=ids))
+    kept, p, seed, rows = _dropout.recipe(h)
+    assert kept is x and p == 0.5 and torch.equal(rows, ids.long())
+    w = torch.randn(64, 40, generator=gen, requires_grad=True)
+    made = []
+    orig = _dropout.chunks
+    monkeypatch.setattr(_dropout, "chunks", lambda *a: made.append(a[3] is not None) or orig(*a))
+    ref = h.detach().clone()
+    g = torch.randn(n, 64, generator=gen)
+    gw, = torch.autograd.grad(_dense.linear(h, w), w, g)
+    assert made == [True]
+    want, = torch.autograd.grad(F.linear(ref, w), w, g)
+    torch.testing.assert_close(gw, want, rtol=1e-5, atol=1e-4)
