@@ -60,7 +60,8 @@ import time
 from pathlib import Path
 
 # benchmarks/kernels.py would shadow the kernels package: never import from this folder.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent] + [
+    str(Path(__file__).resolve().parent.parent)]  # the repo, for a checkout without an install
 
 import ngra  # noqa: E402  (before torch: OpenMP's wait policy)
 import torch  # noqa: E402

@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 
 # benchmarks/kernels.py would shadow the kernels package
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent] + [
+    str(Path(__file__).resolve().parent.parent)]  # the repo, for a checkout without an install
 
 KEEP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(16 << 30)}
 CACHE_ENV = "NGRA_KERNEL_OUTPUT_CACHE"

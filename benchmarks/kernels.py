@@ -74,7 +74,8 @@ from tqdm import tqdm  # noqa: E402
 # This script is itself named kernels.py: drop its folder from the import path so that
 # `import kernels` finds the package, not this file.
 _HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [
+    str(_HERE.parent)]  # the repo last: an installed package first, a bare checkout too
 import kernels  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,6 +16,10 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
+
+# the repo, for a checkout without an install (pytest runs this file as a subprocess)
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 
 def _find_nvvm():
