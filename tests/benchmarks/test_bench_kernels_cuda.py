@@ -61,3 +61,15 @@ def test_bad_only_or_heads_is_a_clear_error(tmp_path):
     for args, named in ((["--only", "gspmm("], "gspmm("), (["--heads", "1,four"], "1,four")):
         res = _run(args, tmp_path)
         assert res.returncode == 2 and named in res.stderr, res.stderr[-1000:]
+
+
+def test_gpu_check_script_stops_clearly_without_a_gpu(tmp_path):
+    """benchmarks/gpu_check.sh is for GPU machines: without one it stops at once, saying so."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the script would run its checks")
+    res = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env=dict(os.environ, PYTHON=sys.executable))
+    assert res.returncode == 2 and "torch sees no GPU" in res.stderr, res.stderr[-1000:]
