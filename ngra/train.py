@@ -359,6 +359,8 @@ class TrainResult:
             return "n/a" if a is None else f"{100 * a:.2f}%"
         t = "n/a" if self.epoch_time_s is None else f"{self.epoch_time_s * 1e3:.1f} ms/epoch"
         mem = "n/a" if self.peak_memory_bytes is None else f"{self.peak_memory_bytes / 2**20:.0f} MiB"
+        if self.peak_device_memory_bytes is not None:  # on CUDA, the memory that bounds a graph
+            mem += f"; peak GPU memory {self.peak_device_memory_bytes / 2**20:.0f} MiB"
         stop = ", stopped early" if self.stopped_early else ""
         return (f"train_acc {pct(self.train_acc)}  val_acc {pct(self.val_acc)}  test_acc "
                 f"{pct(self.test_acc)}  (best epoch {self.best_epoch} of {self.epochs_run}{stop}; "

@@ -116,6 +116,10 @@ def test_result_fields_and_json():
     assert d["info"]["model"] == "gcn" and d["info"]["lr"] == MODEL_DEFAULTS["gcn"].lr
     json.dumps(d)  # plain JSON
     assert "test_acc" in res.summary() and "best epoch" in repr(res)
+    assert d["peak_device_memory_bytes"] is None and "GPU" not in res.summary()  # on the CPU
+    on_gpu = dataclasses.replace(res, peak_device_memory_bytes=3 * 2**20)
+    assert on_gpu.summary().endswith("peak RSS " + f"{d['peak_memory_bytes'] / 2**20:.0f} MiB"
+                                     "; peak GPU memory 3 MiB)")
 
 
 def test_reported_accuracies_are_those_of_the_selected_model():
