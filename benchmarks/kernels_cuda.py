@@ -273,8 +273,6 @@ def build_cases(args, gname, n, e):
     for c in cases:
         c.update(graph=gname, N=n, E=e)
         c["key"] = f"{gname}|{c['kernel']}|{c['op']}|{c['reduce']}|F{c['F']}|{c['pass']}"
-    if args.only:  # a graph may have none (checked across graphs in main)
-        cases = [c for c in cases if re.search(args.only, c["key"])]
     return cases
 
 
@@ -338,12 +336,18 @@ def main():
           flush=True)
 
     specs = graph_specs(args)
-    if args.only:  # the cases do not depend on the graph's size: name the keys before making any
-        _cpu.select_cases([c for gname, _ in specs for c in build_cases(
-            argparse.Namespace(**{**vars(args), "only": ""}), gname, 0, 0)], re.compile(args.only))
+    only = re.compile(args.only) if args.only else None
+
+    def wanted(gname, n=0, e=0):
+        """The graph's cases that --only keeps (they do not depend on its size)."""
+        cases = build_cases(args, gname, n, e)
+        return [c for c in cases if only.search(c["key"])] if only else cases
+
+    if only:  # none kept on any graph: say so, naming keys, before making a graph
+        _cpu.select_cases([c for gname, _ in specs for c in build_cases(args, gname, 0, 0)], only)
     rows = []
     for gname, make in specs:
-        if not build_cases(args, gname, 0, 0):
+        if not wanted(gname):
             continue
         t0 = time.perf_counter()
         src_np, dst_np, n = make()
@@ -360,7 +364,7 @@ def main():
         deg = csr.in_degrees()
         print(f"graph {gname}: {n} vertices, {e} edges, max in-degree {int(deg.max())} "
               f"({time.perf_counter() - t0:.1f} s to make)", flush=True)
-        cases = build_cases(args, gname, n, e)
+        cases = wanted(gname, n, e)
         for case in tqdm(cases, desc=gname, file=sys.stderr):
             x = make_inputs(case, n, e, device)
             fns = method_fns(g, case)

@@ -135,17 +135,20 @@ def chunks(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = Non
     step = max(1, CHUNK_BYTES // max(1, width * xc.element_size()))
     buf = _CACHE.empty((min(step, n),) + tuple(xc.shape[1:]), xc.dtype)
     args = _kernel_args(p, seed, xc.dtype)
-    if rows is not None:  # a worker's piece: each row's mask by its global row (edge_dropout)
-        x2, b2, ids = xc.numpy().reshape(n, width), buf.numpy().reshape(-1, width), rows.numpy()
-    else:
+    if rows is None:
         flat, bflat = xc.numpy().reshape(-1), buf.numpy().reshape(-1)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        if rows is not None:
-            _edge_dropout_kernel(x2[r0:r1], b2[:r1 - r0], ids[r0:r1], *args)
-        else:
+
+        def make(r0, r1):
             _dropout_kernel(flat[r0 * width:r1 * width], bflat[:(r1 - r0) * width], *args,
                             np.uint64(r0 * width))
+    else:  # a worker's piece: each row's mask by its global row (edge_dropout)
+        x2, b2, ids = xc.numpy().reshape(n, width), buf.numpy().reshape(-1, width), rows.numpy()
+
+        def make(r0, r1):
+            _edge_dropout_kernel(x2[r0:r1], b2[:r1 - r0], ids[r0:r1], *args)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        make(r0, r1)
         yield r0, r1, buf[:r1 - r0]
 
 

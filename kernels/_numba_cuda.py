@@ -362,10 +362,10 @@ def _softmax_merge(hrows, hptr, pm, pz, M, Z, zero):
 
 @cuda.jit(cache=True)
 def _softmax_edges(edst, S, M, Z, Y):
-    """In edge-id order (``edst``: each edge's destination), so that the [E, F] scores are read
-    and written in order and only the rows' [V, F] (M, Z) are gathered; CSR order read and wrote
-    them through ``eids``, scattered (on an H200, R-MAT 2M / 33.5M: this order 1.2-2.3x faster
-    over the forward and backward, one and four heads)."""
+    """In edge-id order (``edst``: each edge's destination, ``CSR.coo()``'s), so that the [E, F]
+    scores are read and written in order and only the rows' [V, F] (M, Z) are gathered; CSR
+    order read and wrote them through ``eids``, scattered (on an H200, R-MAT 2M / 33.5M: this
+    order 1.2-2.3x faster over the forward and backward, one and four heads)."""
     F = S.shape[1]
     for t in range(cuda.grid(1), S.shape[0] * F, cuda.gridsize(1)):
         e = t // F
@@ -502,24 +502,9 @@ class _Graph:
             torch.cuda.current_stream(dev).synchronize()
         # the torch tensors stay referenced here: the device views do not own their memory
         self._keep = (segs, hrows, hptr, dst_ids)
-        self._dst_ids = dst_ids
         self.indptr, self.indices, self.eids = _dev(indptr), _dev(csr.indices), _dev(csr.eids)
         self.dst_ids = _dev(dst_ids)
         self.segs, self.hrows, self.hptr = _dev(segs), _dev(hrows), _dev(hptr)
-        self._csr_eids = csr.eids
-        self._edge_dst = None
-
-    def edge_dst(self):
-        """Each edge's destination in edge-id order [E] (int64), built at first use (the edge
-        softmax's per-edge kernels run in edge-id order) and kept: 8 bytes an edge."""
-        if self._edge_dst is None:
-            edst = torch.empty_like(self._dst_ids)
-            edst[self._csr_eids.long()] = self._dst_ids
-            if edst.device.type == "cuda":  # as in __init__: later calls may run on other streams
-                torch.cuda.current_stream(edst.device).synchronize()
-            self._keep += (edst,)
-            self._edge_dst = _dev(edst)
-        return self._edge_dst
 
     def scratch(self, lo, dtype, device):
         """[num_slots, lo] partial results of split rows (a 1-row stand-in when none)."""
@@ -682,7 +667,7 @@ def edge_softmax(csr, scores):
         if gr.num_split:
             _launch_flat(_softmax_merge, gr.num_split * F, dev, gr.hrows, gr.hptr, _dev(pm),
                          _dev(pz), _dev(M), _dev(Z), zero)
-        _launch_flat(_softmax_edges, csr.num_edges * F, dev, gr.edge_dst(), _dev(S), _dev(M),
+        _launch_flat(_softmax_edges, csr.num_edges * F, dev, _dev(csr.coo()[1]), _dev(S), _dev(M),
                      _dev(Z), _dev(Y))
     return Y.reshape(scores.shape)
 
@@ -704,6 +689,6 @@ def edge_softmax_backward(csr, y, grad_y):
         if gr.num_split:
             _launch_flat(_merge_sum, gr.num_split * F, dev, gr.hrows, gr.hptr, gr.indptr,
                          _dev(part), _dev(T), False, zero)
-        _launch_flat(_softmax_bwd_edges, csr.num_edges * F, dev, gr.edge_dst(), _dev(Y),
+        _launch_flat(_softmax_bwd_edges, csr.num_edges * F, dev, _dev(csr.coo()[1]), _dev(Y),
                      _dev(G), _dev(T), _dev(GS))
     return GS.reshape(y.shape)

@@ -139,6 +139,8 @@ class CSR:
             src[eids] = self.indices.to(torch.int64)
             dst[eids] = self._dst_ids if self._dst_ids is not None else \
                 self._position_rows(torch.int64)
+            if src.is_cuda:  # built on this call's stream; a later call may read it on another
+                torch.cuda.current_stream(src.device).synchronize()
             self._coo = (src, dst)
         return self._coo
 
