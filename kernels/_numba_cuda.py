@@ -9,10 +9,12 @@ long after every other. Rows longer than ``_SEG_EDGES`` are split; their segment
 results to a scratch buffer that a second, tiny kernel combines in segment order. Each output
 element is thus reduced in a fixed order by fixed threads: no atomics, and results are bitwise
 reproducible run to run. Edge-parallel stages (g-SDDMM, the last pass of edge softmax) use one
-thread per output element; dot products use one lane group per edge whose partial sums meet in
-shared memory (the CUDA simulator has no warp shuffles, and CI tests this backend there). The edge
+thread per output element; dot products use one lane group per edge whose partial sums meet
+through a butterfly of warp shuffles (the CUDA simulator, where CI tests this backend, has no
+shuffles: there the same butterfly goes through shared memory, see ``_xor_add``). The edge
 softmax's per-edge passes run in edge-id order (scores read and written in order); the g-SDDMM
-still walks CSR positions and writes through ``eids`` (4-5% of copy bandwidth on an H200).
+walks CSR positions (a destination's row is read once per run of its edges) and writes through
+``eids``.
 
 Torch CUDA tensors go to the kernels zero-copy through ``__cuda_array_interface__`` and the kernels
 run on torch's current stream. Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) CPU tensors
@@ -45,13 +47,16 @@ DTYPES = (torch.float32, torch.float64)
 # of split rows under 1% of the edge traffic while bounding a group's serial walk.
 _SEG_EDGES = 128
 _BLOCK = 256  # threads per block on a GPU
-_DOT_SHARED = 2 * _BLOCK  # the dot kernel's double-buffered scratch (a constant for numba)
 _SIM_BLOCK = 8  # the simulator runs one Python thread per GPU thread
 _MAX_GRID = 1 << 16  # blocks per launch; kernels stride over the rest
 
 
 def simulated() -> bool:
     return bool(_numba_config.ENABLE_CUDASIM)
+
+
+# the simulator's stand-in for warp shuffles needs a block's worth of shared memory (see _xor_add)
+_XOR_SHARED = _SIM_BLOCK if simulated() else 1
 
 
 def unusable_reason():
@@ -273,21 +278,36 @@ def _sddmm(dst_ids, indices, eids, L, lt, R, rt, out, op, loff, roff):
         out[eid, j] = _bop(op, L[li, loff[j]], R[ri, roff[j]])
 
 
+if simulated():
+    @cuda.jit(device=True, inline=True)
+    def _xor_add(acc, sh, tid, o):
+        """acc + the value of lane ``tid ^ o``: the simulator's stand-in for a warp shuffle (it
+        has none), through shared memory between block barriers, with the same order of
+        additions, so that the simulator runs the GPU's reduction tree."""
+        sh[tid] = acc
+        cuda.syncthreads()
+        acc += sh[tid ^ o]
+        cuda.syncthreads()
+        return acc
+else:
+    @cuda.jit(device=True, inline=True)
+    def _xor_add(acc, sh, tid, o):
+        return acc + cuda.shfl_xor_sync(0xFFFFFFFF, acc, o)
+
+
 @cuda.jit(cache=True)
 def _sddmm_dot(dst_ids, indices, eids, L, lt, R, rt, out, loff, roff, red, zero, g):
-    """One group of g lanes per (edge, output element): lanes stride the dot's ``red`` elements
-    and the group's first lane adds the g partial sums from shared memory in lane order (fixed
-    order: deterministic). Shared memory is double-buffered by round parity, so one barrier per
-    round suffices: a round's buffer is rewritten two rounds later, after a barrier its readers
-    passed only when done. Every thread of a block runs the same number of rounds, so that all
-    of them reach each barrier."""
-    sh = cuda.shared.array(_DOT_SHARED, float64)
+    """One group of g lanes (a power of two, at most a warp) per (edge, output element): lanes
+    stride the dot's ``red`` elements, then a butterfly of warp shuffles adds the g partial sums
+    (offsets g/2, ..., 1: a fixed tree, so results are deterministic) and the group's first lane
+    writes. Every lane of a block runs the same number of rounds (a shuffle needs all 32 lanes
+    of its warp); lanes past the last item add zeros."""
+    sh = cuda.shared.array(_XOR_SHARED, float64)
     lo = out.shape[1]
     total = indices.shape[0] * lo
     per = cuda.blockDim.x // g
     tid = cuda.threadIdx.x
     lane = tid % g
-    half = 0
     for base in range(cuda.blockIdx.x * per, total, cuda.gridDim.x * per):
         t = base + tid // g
         acc = zero
@@ -301,14 +321,12 @@ def _sddmm_dot(dst_ids, indices, eids, L, lt, R, rt, out, loff, roff, red, zero,
             b = roff[j]
             for d in range(lane, red, g):
                 acc += L[li, a + d] * R[ri, b + d]
-        sh[half + tid] = acc
-        cuda.syncthreads()
+        o = g // 2
+        while o > 0:
+            acc = _xor_add(acc, sh, tid, o)
+            o //= 2
         if t < total and lane == 0:
-            s = sh[half + tid]
-            for i in range(1, g):
-                s += sh[half + tid + i]
-            out[eids[t // lo], t % lo] = s
-        half = _BLOCK - half
+            out[eids[t // lo], t % lo] = acc
 
 
 @cuda.jit(cache=True)

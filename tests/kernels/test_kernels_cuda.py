@@ -125,8 +125,8 @@ def test_split_rows_edge_softmax_match_torch(seg_edges, heads, dtype):
 
 @pytest.mark.parametrize("red", [1, 3, 32, 70])
 def test_dot_reduction_widths(red):
-    """u_dot_v with dot lengths below, at and above a lane group (tree reduction in shared
-    memory), several heads, forward and gradients."""
+    """u_dot_v with dot lengths below, at and above a lane group (a butterfly of warp shuffles;
+    the simulator runs it through shared memory), several heads, forward and gradients."""
     csr = _power_law(9, 30, 3, CUDA_DEVICE) if CUDA_SIM else _power_law(500, 20_000, 3, "cuda")
     gen = torch.Generator().manual_seed(4)
     u = torch.randn(csr.num_src, 2, red, generator=gen, dtype=torch.float64).to(csr.device)
