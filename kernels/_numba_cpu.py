@@ -25,7 +25,8 @@ from ._cpu.blocking import _SDDMM_MODEL, _block_csr, _hot_sources, _num_blocks
 from ._cpu.codes import (M_BLOCK_E, M_COPY_E, M_COPY_U, M_GENERIC, S_COPY, S_DOT, S_DOT_BLOCKS,
                          S_DOT_ROW, S_GENERIC, S_SAME)
 from ._cpu.softmax import (_edge_dst, _edge_softmax, _edge_softmax_backward,
-                          _edge_softmax_backward_rows)
+                          _edge_softmax_backward_rows, _edge_softmax_ordered,
+                          _edge_softmax_ordered1)
 from ._cpu.sddmm import _sddmm, _sddmm_uv
 from ._cpu.spmm import (_maxmin_grad_e, _maxmin_grad_u, _spmm_maxmin, _spmm_mul_grads, _spmm_norm,
                         _spmm_sum)
@@ -440,6 +441,15 @@ def edge_softmax(csr, scores):
     parts, indptr, _, eids = _arrays(csr)
     S = _flat(scores, csr.num_edges)
     y = _CACHE.empty(scores.shape, scores.dtype)
+    if _csr_ordered(csr):
+        Y = _flat(y, csr.num_edges)
+        stats = _CACHE.empty_numpy((2, csr.num_dst, S.shape[1]), S.dtype)
+        if S.shape[1] == 1:
+            _launch(_edge_softmax_ordered1, parts, indptr, _edge_dsts(csr), S.reshape(-1),
+                    Y.reshape(-1), stats)
+        else:
+            _launch(_edge_softmax_ordered, parts, indptr, _edge_dsts(csr), S, Y, stats)
+        return y
     recompute = S.shape[1] == 1
     dst = _edge_dsts(csr) if recompute else eids[:0]
     stats = _CACHE.empty_numpy((2, csr.num_dst, S.shape[1]), S.dtype)

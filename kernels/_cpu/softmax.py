@@ -1,7 +1,8 @@
-"""Edge softmax kernels, forward (:func:`_edge_softmax`) and backward
+"""Edge softmax kernels, forward (:func:`_edge_softmax`, and :func:`_edge_softmax_ordered` /
+:func:`_edge_softmax_ordered1` for edges numbered in CSR order) and backward
 (:func:`_edge_softmax_backward`, and :func:`_edge_softmax_backward_rows` for edges numbered in
-CSR order), and the destination of every edge in edge order (:func:`_edge_dst`) that both
-general ones read."""
+CSR order), and the destination of every edge in edge order (:func:`_edge_dst`) that the
+general backward and the forwards read."""
 
 from __future__ import annotations
 
@@ -172,3 +173,88 @@ def _edge_softmax_backward_rows(parts, indptr, Y, G, GS):
             for k in range(beg, end):
                 for f in range(F):
                     GS[k, f] -= Y[k, f] * a[f]
+
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _edge_softmax_ordered(parts, indptr, dst, S, Y, stats):
+    """:func:`_edge_softmax` for edges numbered in CSR order (edge k at CSR position k, GAT's
+    graph with self loops; ``dst`` [E]: each edge's destination). Four passes, each a walk over
+    the rows or a flat loop over the [E, F] elements: the rows' max m (into ``stats[0]``) with
+    s - m written to Y; exp of Y in one flat loop, which vectorizes (the general kernel's exp ran
+    one element at a time in loops over a row's columns); the rows' sums z of Y (1 / z into
+    ``stats[1]``); Y *= 1 / z. The same operations in the same order as there: bitwise the same
+    result (R-MAT 1M / 16M + self loops: one score 160-210 -> 70 ms, 4 heads 490-510 -> 230)."""
+    E, F = S.shape
+    nparts = parts.size - 1
+    for p in prange(nparts):
+        for v in range(parts[p], parts[p + 1]):
+            beg = indptr[v]
+            end = indptr[v + 1]
+            if beg == end:
+                continue
+            m = stats[0, v]
+            for f in range(F):
+                m[f] = S[beg, f]
+            for k in range(beg + 1, end):
+                for f in range(F):
+                    m[f] = _fmax(m[f], S[k, f])
+            for k in range(beg, end):
+                for f in range(F):
+                    Y[k, f] = S[k, f] - m[f]
+    y1 = Y.reshape(E * F)
+    for j in prange(E * F):
+        y1[j] = _vexp(y1[j])
+    for p in prange(nparts):
+        for v in range(parts[p], parts[p + 1]):
+            beg = indptr[v]
+            end = indptr[v + 1]
+            if beg == end:
+                continue
+            z = stats[1, v]
+            for f in range(F):
+                z[f] = Y[beg, f]
+            for k in range(beg + 1, end):
+                for f in range(F):
+                    z[f] += Y[k, f]
+            for f in range(F):
+                z[f] = 1 / z[f]
+    zi = stats[1]
+    for k in prange(E):
+        d = dst[k]
+        for f in range(F):
+            Y[k, f] *= zi[d, f]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _edge_softmax_ordered1(parts, indptr, dst, s, y, stats):
+    """:func:`_edge_softmax_ordered` for one score per edge (``s``, ``y`` [E]): the row passes
+    keep their max and sum in a register rather than in ``stats`` (the exp and the scaling
+    again flat loops over the edges): one score 156 -> 70 ms against the general form on the
+    same graph. Bitwise the same result."""
+    nparts = parts.size - 1
+    m1, z1 = stats[0].reshape(stats.shape[1]), stats[1].reshape(stats.shape[1])
+    for p in prange(nparts):
+        for v in range(parts[p], parts[p + 1]):
+            beg = indptr[v]
+            end = indptr[v + 1]
+            if beg == end:
+                continue
+            m = s[beg]
+            for k in range(beg + 1, end):
+                m = _fmax(m, s[k])
+            m1[v] = m
+    for k in prange(s.size):
+        y[k] = _vexp(s[k] - m1[dst[k]])
+    for p in prange(nparts):
+        for v in range(parts[p], parts[p + 1]):
+            beg = indptr[v]
+            end = indptr[v + 1]
+            if beg == end:
+                continue
+            z = y[beg]
+            for k in range(beg + 1, end):
+                z += y[k]
+            z1[v] = 1 / z
+    for k in prange(s.size):
+        y[k] *= z1[dst[k]]

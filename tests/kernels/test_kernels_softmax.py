@@ -93,3 +93,38 @@ def test_csr_ordered_backward_is_the_general_kernel_s(monkeypatch, heads, dtype)
     assert torch.equal(fast, grad("numba")) and calls == [1]
     tol = {torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
     torch.testing.assert_close(fast, grad("torch"), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("heads", [(), (1,), (4,), (2, 3)])
+def test_csr_ordered_forward_is_the_general_kernel_s(monkeypatch, heads, dtype):
+    """Edges numbered in CSR order take the ordered forward (its one-score form for () and (1,)):
+    bitwise the general kernel's softmax, and the torch reference's up to rounding, with hub
+    rows, vertices without in-edges and masked (-inf) scores, a whole row of them included."""
+    from kernels import _numba_cpu
+
+    c = _power_law()
+    dst = torch.repeat_interleave(torch.arange(c.num_dst), c.in_degrees().long())
+    csr = CSR.from_coo(c.indices.long(), dst, c.num_dst + 100)  # vertices 500-599: no in-edges
+    assert _numba_cpu._csr_ordered(csr) and int(csr.in_degrees().max()) > 1000
+    gen = torch.Generator().manual_seed(3)
+    s = (torch.randn((csr.num_edges,) + heads, generator=gen, dtype=torch.float64) * 4).to(dtype)
+    s[:: 7] = -float("inf")
+    last = int(csr.indptr[c.num_dst - 1])  # the last vertex with in-edges: all of them masked
+    s[last:] = -float("inf")
+    calls = []
+    for name in ("_edge_softmax_ordered", "_edge_softmax_ordered1"):
+        kernel = getattr(_numba_cpu, name)
+        monkeypatch.setattr(_numba_cpu, name,
+                            lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
+    fast = kernels.edge_softmax(csr, s, backend="numba")
+    one = not heads or heads == (1,)
+    assert calls == ["_edge_softmax_ordered1" if one else "_edge_softmax_ordered"]
+    monkeypatch.setattr(_numba_cpu, "_csr_ordered", lambda csr: False)
+    general = kernels.edge_softmax(csr, s, backend="numba")
+    assert len(calls) == 1
+    assert torch.equal(fast.isnan(), general.isnan()) and fast[last:].isnan().all()
+    assert torch.equal(torch.nan_to_num(fast), torch.nan_to_num(general))
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+    torch.testing.assert_close(fast, kernels.edge_softmax(csr, s, backend="torch"), rtol=tol,
+                               atol=tol, equal_nan=True)
