@@ -9,6 +9,7 @@ import math
 import os
 import resource
 import signal
+import statistics
 import struct
 import subprocess
 import sys
@@ -110,6 +111,8 @@ def test_result_fields_and_json():
     for key in ("train_acc", "val_acc", "test_acc"):
         assert 0.0 <= d[key] <= 1.0
     assert d["epoch_time_s"] > 0
+    # the median step (the first one also compiles kernels where numba's cache is cold)
+    assert res.epoch_time_s == statistics.median(h.time_s for h in res.history)
     # ru_maxrss is in KiB on Linux and never decreases.
     assert before * 1024 <= d["peak_memory_bytes"] <= peak_memory_bytes()
     assert d["epochs_run"] == 12 and len(d["history"]) == 12 and d["resumed_from"] is None
