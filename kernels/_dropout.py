@@ -315,12 +315,22 @@ def elu_dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
 
 @njit(parallel=True, cache=True, nogil=True)
 def _edge_dropout_kernel(x, out, ids, state, threshold, scale):
+    """Flat loops over the elements, as ``_dropout_kernel`` (a loop over the rows with one
+    over a row's few elements inside did not vectorize: GAT's attention dropout on its graph
+    with self loops, 17.8M edges, scratch timing on a loaded machine: one score 146 -> 25 ms,
+    4 heads 534 -> 278 ms; the same masks)."""
     rows, width = x.shape
     zero = scale - scale
-    for r in prange(rows):
-        base = np.uint64(ids[r]) * np.uint64(width)
-        for j in range(width):
-            out[r, j] = x[r, j] * (scale if _keep(state, base + np.uint64(j), threshold) else zero)
+    if width == 1:
+        for r in prange(rows):
+            out[r, 0] = x[r, 0] * (scale if _keep(state, np.uint64(ids[r]), threshold) else zero)
+        return
+    x1 = x.reshape(rows * width)
+    o1 = out.reshape(rows * width)
+    for i in prange(rows * width):
+        r = i // width
+        key = np.uint64(ids[r]) * np.uint64(width) + np.uint64(i - r * width)
+        o1[i] = x1[i] * (scale if _keep(state, key, threshold) else zero)
 
 
 def _u64(v: int):
