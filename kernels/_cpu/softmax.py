@@ -175,7 +175,6 @@ def _edge_softmax_backward_rows(parts, indptr, Y, G, GS):
                     GS[k, f] -= Y[k, f] * a[f]
 
 
-
 @njit(parallel=True, cache=True, nogil=True)
 def _edge_softmax_ordered(parts, indptr, dst, S, Y, stats):
     """:func:`_edge_softmax` for edges numbered in CSR order (edge k at CSR position k, GAT's
@@ -184,7 +183,8 @@ def _edge_softmax_ordered(parts, indptr, dst, S, Y, stats):
     s - m written to Y; exp of Y in one flat loop, which vectorizes (the general kernel's exp ran
     one element at a time in loops over a row's columns); the rows' sums z of Y (1 / z into
     ``stats[1]``); Y *= 1 / z. The same operations in the same order as there: bitwise the same
-    result (R-MAT 1M / 16M + self loops: one score 160-210 -> 70 ms, 4 heads 490-510 -> 230)."""
+    result (R-MAT 1M / 16M + self loops, scratch timing: 4 heads 490-540 -> 241 ms, 8 heads
+    450 -> 383; one score: :func:`_edge_softmax_ordered1`)."""
     E, F = S.shape
     nparts = parts.size - 1
     for p in prange(nparts):
@@ -230,8 +230,8 @@ def _edge_softmax_ordered(parts, indptr, dst, S, Y, stats):
 def _edge_softmax_ordered1(parts, indptr, dst, s, y, stats):
     """:func:`_edge_softmax_ordered` for one score per edge (``s``, ``y`` [E]): the row passes
     keep their max and sum in a register rather than in ``stats`` (the exp and the scaling
-    again flat loops over the edges): one score 156 -> 70 ms against the general form on the
-    same graph. Bitwise the same result."""
+    again flat loops over the edges): one score 156 -> 59 ms against the form above on the
+    same graph, 160-210 ms with the general kernel. Bitwise the same result."""
     nparts = parts.size - 1
     m1, z1 = stats[0].reshape(stats.shape[1]), stats[1].reshape(stats.shape[1])
     for p in prange(nparts):
