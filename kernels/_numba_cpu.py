@@ -445,9 +445,9 @@ def edge_softmax(csr, scores):
     parts, indptr, _, eids = _arrays(csr)
     S = _flat(scores, csr.num_edges)
     y = _CACHE.empty(scores.shape, scores.dtype)
+    stats = _CACHE.empty_numpy((2, csr.num_dst, S.shape[1]), S.dtype)
     if _csr_ordered(csr):
         Y = _flat(y, csr.num_edges)
-        stats = _CACHE.empty_numpy((2, csr.num_dst, S.shape[1]), S.dtype)
         if S.shape[1] == 1:
             _launch(_edge_softmax_ordered1, parts, indptr, _edge_dsts(csr), S.reshape(-1),
                     Y.reshape(-1), stats)
@@ -456,7 +456,6 @@ def edge_softmax(csr, scores):
         return y
     recompute = S.shape[1] == 1
     dst = _edge_dsts(csr) if recompute else eids[:0]
-    stats = _CACHE.empty_numpy((2, csr.num_dst, S.shape[1]), S.dtype)
     _launch(_edge_softmax, parts, indptr, eids, dst, S, _flat(y, csr.num_edges), stats, recompute,
             _prefetch_distance(S.shape[1] * S.itemsize))
     return y
