@@ -60,3 +60,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("dgl") is not None:
             item.add_marker(skip)
+
+
+# The `slow` marker keeps a test out of the torch-2.2 floor session of `make test`; a test that is
+# not marked and takes longer than this is named at the end of the run, so that the suite stays
+# within CI's time (about half of CI's 90 minutes went to the floor session before such tests were
+# marked).
+SLOW_UNMARKED_S = 8.0
+_slow_unmarked: list[tuple[float, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and "slow" not in report.keywords \
+            and report.duration > SLOW_UNMARKED_S:
+        _slow_unmarked.append((report.duration, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _slow_unmarked:
+        terminalreporter.section(f"tests not marked slow that took over {SLOW_UNMARKED_S:g} s")
+        for duration, nodeid in sorted(_slow_unmarked, reverse=True):
+            terminalreporter.write_line(f"{duration:7.1f} s  {nodeid}  (mark it @pytest.mark.slow "
+                                        "or make it faster)")

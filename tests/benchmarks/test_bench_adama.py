@@ -50,6 +50,7 @@ def test_adama_benchmark_tiny(tmp_path):
     assert plot.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_adama_benchmark_sweep_tiny():
     # Each method at each learning rate with the first seed, then at its best with the others;
     # the best-vs-best lines and the v-increment ratio of Adam + accumulation are printed.

@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "distributed.py"
 
 
+@pytest.mark.slow
 def test_distributed_benchmark_tiny():
     res = subprocess.run([sys.executable, str(SCRIPT), "--graphs", "rmat", "--rmat-scale", "10",
                           "--rmat-edges", "8000", "--features", "16", "--hidden", "8",
@@ -41,6 +44,7 @@ def test_bad_workers_is_a_usage_error():
     assert res.returncode == 2 and "--workers must be between 1 and 16" in res.stderr
 
 
+@pytest.mark.slow
 def test_pieces_read_from_a_store_and_streamed():
     """--from-store: workers read only their pieces from a chunk store; --num-chunks: each
     streams its piece. Rows are printed for the store's runs, and the pieces shrink with K."""

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_fusion_ab_tiny():
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fusion_ab.py"), "--model", "gcn",
                           "--scale", "10", "--edges", "8000", "--rounds", "2"],

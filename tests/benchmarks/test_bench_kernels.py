@@ -157,6 +157,7 @@ def test_only_matching_nothing_stops_before_any_work(tmp_path):
     assert "copy bandwidth" not in res.stdout and not (tmp_path / "graphs").exists()
 
 
+@pytest.mark.slow
 def test_only_generates_just_the_graphs_with_a_matching_case(tmp_path):
     res = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--no-dgl", "--only",
                           "rmat.*edge_softmax.*fwd", "--out", str(tmp_path)],

@@ -57,12 +57,14 @@ def test_only_and_heads_select_the_edge_softmax_cases(tmp_path):
             assert float(r["check (max rel diff vs ngra)"]) < 1e-5, r
 
 
+@pytest.mark.slow
 def test_bad_only_or_heads_is_a_clear_error(tmp_path):
     for args, named in ((["--only", "gspmm("], "gspmm("), (["--heads", "1,four"], "1,four")):
         res = _run(args, tmp_path)
         assert res.returncode == 2 and named in res.stderr, res.stderr[-1000:]
 
 
+@pytest.mark.slow
 def test_gpu_check_script_stops_clearly_without_a_gpu(tmp_path):
     """benchmarks/gpu_check.sh is for GPU machines: without one it stops at once, saying so."""
     import torch

@@ -44,6 +44,7 @@ def test_moe_benchmark_tiny(tmp_path):
     assert (tmp_path / "moe.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_unknown_part_is_a_usage_error():
     res = subprocess.run([sys.executable, str(SCRIPT), "--parts", "lm,vision"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)

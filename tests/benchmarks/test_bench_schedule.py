@@ -31,6 +31,7 @@ def test_schedule_benchmark_tiny(tmp_path):
     assert re.search(r"^linear .* 1\.00x", out, re.M), out
 
 
+@pytest.mark.slow
 def test_unknown_case_is_a_usage_error():
     res = subprocess.run([sys.executable, str(SCRIPT), "--cases", "W"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,6 +17,7 @@ if hasattr(dist, "send_object_list"):  # torch >= 2.3
     METHODS.append("send_object_list")
 
 
+@pytest.mark.slow
 def test_transport_benchmark_small(tmp_path):
     res = subprocess.run([sys.executable, str(SCRIPT), "--max-size", "16KiB", "--quick",
                           "--plot", str(tmp_path / "t.png")],

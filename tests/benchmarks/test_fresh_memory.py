@@ -11,10 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "fresh_memory.py"
 
 
+@pytest.mark.slow
 def test_fresh_memory_tiny():
     res = subprocess.run([sys.executable, str(SCRIPT), "--nodes", "70000", "--edges", "100000",
                           "--feats", "128", "--reps", "3", "--runs", "1"],

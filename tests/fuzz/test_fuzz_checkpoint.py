@@ -115,6 +115,7 @@ class Resealed:
 RUNS = [("Checkpoint", 250, 201), ("Resealed", 250, 202)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target, count, seed", RUNS, ids=[r[0] for r in RUNS])
 def test_checkpoint_faults_are_refused_or_harmless(target, count, seed):
     report = fuzzutil.check(f"{THIS}::{target}", count=count, seed=seed)

@@ -391,6 +391,7 @@ class EdgeListGz(_EdgeListFile):
     ("EdgeList", 400, False),
     ("EdgeListGz", 100, False),
 ])
+@pytest.mark.slow
 def test_fuzz(target, count, shared, request):
     if shared:
         request.getfixturevalue("shared_datasets")

@@ -94,6 +94,7 @@ def test_checked_format_is_refused_or_identical():
     assert report.counts["crashed"] == report.counts["changed"] == 0
 
 
+@pytest.mark.slow
 def test_silent_change_is_reported():
     report = fuzzutil.run(f"{THIS}::Unchecked", count=20, seed=2)
     assert report.counts["changed"] == 20
@@ -109,6 +110,7 @@ def test_reference_separates_valid_changes_from_silent_ones():
     assert all("the reference refuses these bytes: ValueError" in f for f in report.failures)
 
 
+@pytest.mark.slow
 def test_crash_is_attributed_and_the_run_goes_on():
     report = fuzzutil.run(f"{THIS}::Crashing", count=4, seed=3)
     assert report.counts["crashed"] == 4, report

@@ -136,6 +136,7 @@ def test_dot_reduction_widths(red):
     _close(_run("numba_cuda", fn, [u, v], g), _run("torch", fn, [u, v], g), torch.float64)
 
 
+@pytest.mark.slow
 def test_bitwise_deterministic(seg_edges):
     csr = _graph(seg_edges)
     gen = torch.Generator().manual_seed(5)

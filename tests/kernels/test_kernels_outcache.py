@@ -219,6 +219,7 @@ def test_bad_limits_are_refused_naming_the_value(bad):
     assert repr(bad) in str(err.value)
 
 
+@pytest.mark.slow
 def test_the_environment_sets_the_limit_and_a_bad_value_says_how():
     root = Path(__file__).resolve().parents[2]
     code = "import kernels; print(kernels.output_cache_limit())"

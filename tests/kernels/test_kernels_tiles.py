@@ -142,6 +142,7 @@ def test_fused_mul_grads_widths(monkeypatch, nblk, dtype):
     assert len(calls) == 2 * (len(shapes) - len(narrow))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fu, fe", [((5,), (1,)), ((3, 4), (3, 1))])
 def test_fused_mul_grads_gradcheck(fu, fe):
     csr = _graph(torch.int64)

@@ -225,6 +225,7 @@ def test_memory_status_and_reset():
     assert after["peak_rss"] < before["peak_rss"]
 
 
+@pytest.mark.slow
 def test_benchmark_small(tmp_path):
     """benchmarks/out_of_core.py --small end to end: store written, trained, figures recorded."""
     proc = subprocess.run(

@@ -55,6 +55,7 @@ def _worker(rank, world, exchange, engine):
     return ids, results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,exchange,engine", [
     (2, "halo", None), (3, "ring", None), (3, "halo", {"num_chunks": 2})])
 def test_dropout_masks_do_not_depend_on_the_partition(world, exchange, engine):

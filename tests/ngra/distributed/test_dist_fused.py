@@ -325,6 +325,7 @@ def _check_equivalence(results, key, world, dtype, exact, partial=True, moments=
     assert [r[key]["bytes"] for r in results] == [moments * own * dtype.itemsize] * world
 
 
+@pytest.mark.slow
 def test_two_ranks_bitwise_buckets_rebuild_and_misuse():
     results = distutil.run(_world2, 2, timeout=120)
     # K = 2: the two-term sum is the same in any order, so float32 matches bit for bit.
@@ -375,6 +376,7 @@ def test_two_ranks_bitwise_buckets_rebuild_and_misuse():
             e["two_backwards"] and "no_sync()" in e["two_backwards"]
 
 
+@pytest.mark.slow
 def test_three_ranks_uneven_parts_unused_parameters_and_state_dicts():
     results = distutil.run(_world3, 3, timeout=120)
     _check_equivalence(results, "wd_buckets", 3, torch.float64, exact=False)

@@ -129,8 +129,11 @@ def _check(results, reference=None):
                                            msg=lambda m: f"{name}, rank {rank}, grad {k}: {m}")
 
 
-@pytest.mark.parametrize("world,method", [(1, "metis"), (2, "metis"), (3, "random"),
-                                          (4, "contiguous")])
+# 10-20 s each; the torch-2.2 floor session runs two workers only.
+@pytest.mark.parametrize("world,method", [
+    pytest.param(1, "metis", marks=pytest.mark.slow), (2, "metis"),
+    pytest.param(3, "random", marks=pytest.mark.slow),
+    pytest.param(4, "contiguous", marks=pytest.mark.slow)])
 def test_every_zoo_model_equals_the_single_process_run(world, method):
     results = distutil.run(_worker, world, method, None, timeout=300)
     _check(results)
@@ -138,6 +141,7 @@ def test_every_zoo_model_equals_the_single_process_run(world, method):
         assert sum(halo for _, halo, _ in results) > 0  # values did cross workers
 
 
+@pytest.mark.slow
 def test_edge_cases_worker_without_vertices_and_worker_without_edges():
     g, *_ = _problem()
     parts = torch.zeros(N, dtype=torch.long)
@@ -148,6 +152,7 @@ def test_edge_cases_worker_without_vertices_and_worker_without_edges():
     _check(results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,method,engine", [
     (1, "metis", {"num_chunks": 3}), (2, "metis", {"num_chunks": 4}),
     (3, "random", {"num_chunks": 2}), (4, "contiguous", {"memory_budget": "1.5KiB"})])
@@ -158,6 +163,7 @@ def test_each_worker_streams_its_piece_and_every_model_stays_exact(world, method
     _check(results)
 
 
+@pytest.mark.slow
 def test_streamed_edge_cases_worker_without_vertices_and_worker_without_edges():
     g, *_ = _problem()
     parts = torch.zeros(N, dtype=torch.long)
@@ -258,6 +264,7 @@ def _store_worker(rank, world, path):
     return ids, dg.num_halo, _run_models(dg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,ordering", [(2, "rcm"), (3, None)])
 def test_pieces_read_from_a_chunk_store_equal_the_single_process_run(tmp_path, world, ordering):
     """DistGraph.from_store: each worker reads only its chunk columns (its vertices' in-edges)

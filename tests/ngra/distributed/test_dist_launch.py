@@ -88,6 +88,7 @@ def _one_missing(rank, world):
     wait_for_peers(timeout=2)
 
 
+@pytest.mark.slow
 def test_wait_for_peers_waits_for_the_last_worker_and_names_a_missing_one():
     waited = distutil.run(_finish, 3)
     assert waited[0] >= 0.9 and waited[2] < 0.5

@@ -92,6 +92,7 @@ def _halves():
     return parts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,shared_memory,num_chunks,method", [
     (2, False, 4, "contiguous"), (3, False, 3, "contiguous"), (3, None, 4, "random"),
     (3, False, 3, _halves())], ids=["2-gloo", "3-gloo", "3-shm-random", "3-gloo-empty-worker"])
@@ -199,6 +200,7 @@ def _hung_peer_worker(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_waiting_for_a_hung_peer_is_an_error_naming_it():
     text = distutil.run(_hung_peer_worker, 2, timeout=120, may_die=(1,))[0]
     assert "receiving the rows of peer 1 (region 'h')" in text, text

@@ -26,6 +26,7 @@ def _ring_worker(rank, world, method, parts):
     return dg.global_ids, dg.num_halo, results, stats, sizes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,method", [(1, "metis"), (2, "metis"), (3, "random"),
                                           (4, "contiguous")])
 def test_ring_mode_every_zoo_model_equals_the_single_process_run(world, method):
@@ -42,6 +43,7 @@ def test_ring_mode_every_zoo_model_equals_the_single_process_run(world, method):
         assert stats["bytes_in"] > 0 and stats["bytes_out"] > 0, stats
 
 
+@pytest.mark.slow
 def test_ring_mode_edge_cases_worker_without_vertices_and_worker_without_edges():
     parts = torch.zeros(N, dtype=torch.long)
     parts[36:] = 1  # worker 1: only the isolated vertices (no in-edges at all)

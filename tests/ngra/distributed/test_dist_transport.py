@@ -56,7 +56,7 @@ def _one_sided(rank, world):
     return region.local.clone(), writers, errors, t._prefix
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_one_sided_read_and_write_through_shared_memory(world):
     import glob
 
@@ -105,7 +105,7 @@ def _exchange(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_exchange_plan_pulls_and_pushes_like_a_plain_reference(world):
     results = distutil.run(_exchange, world, timeout=240)
     needs = [_need(r, world) for r in range(world)]
@@ -192,7 +192,8 @@ def _dead_or_hung_peer(rank, world, how, shm):
 
 
 @pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shm"])
-@pytest.mark.parametrize("how", ["dead", "hung"])
+# A hung peer is found by the timeout itself (~10 s a case): slow.
+@pytest.mark.parametrize("how", ["dead", pytest.param("hung", marks=pytest.mark.slow)])
 def test_dead_or_hung_peer_is_an_error_within_the_timeout(how, shm):
     results = distutil.run(_dead_or_hung_peer, 2, how, shm, timeout=120, may_die=(1,))
     elapsed, text = results[0]
