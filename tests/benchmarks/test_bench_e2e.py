@@ -22,11 +22,10 @@ def _dgl_ok() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("with_dgl", [False, True])
-def test_e2e_tiny(tmp_path, with_dgl):
-    if with_dgl and not _dgl_ok():
-        pytest.skip("dgl does not import in .venv-dgl")
-    fws = "ngra,pyg,dgl" if with_dgl else "ngra,pyg"
+def test_e2e_tiny(tmp_path):
+    # DGL's workers run in .venv-dgl; without it (or where dgl does not import) the same run
+    # goes on with ngra and PyG only.
+    fws = "ngra,pyg,dgl" if _dgl_ok() else "ngra,pyg"
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--tiny", "--epochs", "1",
                           "--frameworks", fws, "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
