@@ -64,8 +64,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # The `slow` marker keeps a test out of the torch-2.2 floor session of `make test`; a test that is
 # not marked and takes longer than this is named at the end of the run, so that the suite stays
-# within CI's 90 minutes (the floor session took 35 minutes on a 2-core machine before 71 such
-# tests were marked, 12 after).
+# within CI's 90 minutes (on a 2-core machine the floor session took 35 minutes, most of them
+# beside the main session, before 71 such tests were marked; 12 minutes alone after).
 SLOW_UNMARKED_S = 8.0
 _slow_unmarked: list[tuple[float, str]] = []
 
