@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Every test here runs `ngra train` / `ngra partition` in fresh processes (14-65 s each on a
+# 2-core machine): all slow, so the torch-2.2 floor session leaves them to the main one.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[3]
 BASE = ["-m", "ngra", "train", "--dataset", "sbm", "--dataset-option", "num_nodes=600",
         "--epochs", "4", "--dropout", "0", "--no-progress", "--seed", "1"]
@@ -27,7 +31,6 @@ def _train(tmp_path, name, *extra):
     return json.loads(out.read_text()), res.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model,workers,partition,extra", [
     ("gcn", 2, "metis", ()), ("sage", 3, "random", ()),
     ("gat", 2, "contiguous", ("--num-chunks", "3")), ("gat", 3, "metis", ("--exchange", "ring"))])
@@ -53,7 +56,6 @@ def test_workers_train_like_one_process(tmp_path, model, workers, partition, ext
         torch.testing.assert_close(wk["state_dict"][k], v, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.slow
 def test_workers_train_like_one_process_with_dropout_on(tmp_path):
     """Dropout masks follow global vertex and edge ids, so K workers drop what one process
     drops: GAT (feature and attention dropout) on 3 workers has the one-process losses."""
@@ -67,7 +69,6 @@ def test_workers_train_like_one_process_with_dropout_on(tmp_path):
         assert b["val_acc"] == pytest.approx(a["val_acc"], abs=1e-6)
 
 
-@pytest.mark.slow
 def test_unsupported_combinations_are_one_line(tmp_path):
     res = subprocess.run([sys.executable, *BASE, "--model", "gcn", "--workers", "2",
                           "--memory-budget", "1B"],
@@ -88,7 +89,6 @@ def _weights(path):
     return torch.load(path, weights_only=True)["state_dict"]
 
 
-@pytest.mark.slow
 def test_checkpoint_and_resume_on_workers_is_bit_for_bit(tmp_path):
     """Dropout on (each worker draws from its own RNG stream): stopping after 3 epochs and
     resuming gives exactly the weights and history of an uninterrupted 6-epoch run."""
@@ -129,7 +129,6 @@ def _workers_of(marker: str) -> list[int]:
     return [pid for pid, ppid in procs.items() if ppid in procs]
 
 
-@pytest.mark.slow
 def test_killed_worker_restarts_and_resumes_bit_for_bit(tmp_path):
     """torchrun-style elastic restart: a worker is killed (SIGKILL) after a checkpoint was written;
     the launcher restarts the group, which resumes from the checkpoint and ends with exactly the
@@ -167,7 +166,6 @@ def test_killed_worker_restarts_and_resumes_bit_for_bit(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.slow
 def test_stored_dataset_trains_like_the_dataset_on_one_process_and_on_workers(tmp_path):
     """`ngra partition` writes sbm as a chunk store; `ngra train --dataset FOLDER` on one
     process (which reads it whole) and on 3 workers streaming their pieces (each reads only its
@@ -200,7 +198,6 @@ def test_stored_dataset_trains_like_the_dataset_on_one_process_and_on_workers(tm
             assert other[k] == pytest.approx(one[k], abs=1e-6)
 
 
-@pytest.mark.slow
 def test_stored_dataset_errors_are_one_line(tmp_path):
     folder = tmp_path / "s"
     part = [sys.executable, "-m", "ngra", "partition", "--dataset", "sbm", "--dataset-option",
@@ -230,7 +227,6 @@ def test_stored_dataset_errors_are_one_line(tmp_path):
     assert (tmp_path / "plain" / "keep.txt").read_text() == "mine"  # nothing there replaced
 
 
-@pytest.mark.slow
 def test_stored_dataset_settings_that_cannot_apply_are_refused(tmp_path):
     folder = tmp_path / "n"
     assert subprocess.run([sys.executable, "-m", "ngra", "partition", "--dataset", "sbm",
