@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["WorkerInfo", "worker_info", "init_from_env", "wait_for_peers", "launch", "spawn",
-           "SpawnError", "local_record"]
+           "set_spawn_start_method", "SpawnError", "local_record"]
 
 
 @dataclass(frozen=True)
@@ -119,19 +119,45 @@ class SpawnError(RuntimeError):
     """A worker of :func:`spawn` raised, died or hung."""
 
 
+_START = {"method": "spawn", "preload": ()}
+
+
+def set_spawn_start_method(method: str, preload=()) -> None:
+    """How :func:`spawn` starts its workers from now on, in this process.
+
+    ``"spawn"`` (the default): a fresh interpreter each, which imports torch again (3-4 s of CPU
+    a worker). ``"forkserver"``: workers fork from a server process that imported the modules
+    in ``preload`` once (``multiprocessing``'s forkserver, started at the first call), which
+    saves those imports on every call after the first; the test suite uses it. Two differences
+    to know: the server keeps the environment of its start, so a worker gets the caller's
+    ``os.environ`` copied in when it starts (enough for what is read at call time, not for
+    what a preloaded module read at its import), and what a worker prints goes to a file that
+    :func:`spawn` copies to the caller's stderr when the workers end (a forked worker cannot
+    reach the caller's current output). Forked workers share the server's memory pages, so
+    their RSS is not a fresh interpreter's: benchmarks that report it keep ``"spawn"``.
+    """
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"start method must be 'spawn' or 'forkserver' (got {method!r})")
+    if isinstance(preload, str):
+        raise TypeError(f"preload must be a list of module names (got the string {preload!r}; "
+                        "write [{preload!r}])")
+    _START["method"], _START["preload"] = method, tuple(preload)
+
+
 def spawn(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0,
           expect_errors: bool = False, may_die: tuple = (), threads: int = 1) -> list:
     """``[fn(rank, world_size, *args) for each rank]``, each on a fresh local process joined to
     the others by a gloo process group, for tests and benchmarks.
 
-    Each worker is a new interpreter (multiprocessing "spawn") with ``threads`` torch threads,
-    joined through a FileStore in a temporary folder (no port to pick, so none to clash) on the
-    loopback interface; ``fn`` must be importable (a module-level function) and its result
-    picklable. Results come back as pickle files (a queue would pass tensors by file descriptors
-    that die with the worker). The call waits at most ``timeout`` seconds: a worker that hangs
-    or dies raises :class:`SpawnError` with its rank and its traceback or exit status, after
-    every worker is killed, so nothing hangs. A worker still running shortly before the limit
-    prints where it is stuck (faulthandler).
+    Each worker is a new interpreter (multiprocessing "spawn", or a fork of a preloaded server:
+    see :func:`set_spawn_start_method`) with ``threads`` torch threads, joined through a
+    FileStore in a temporary folder (no port to pick, so none to clash) on the loopback
+    interface; ``fn`` must be importable (a module-level function) and its result picklable.
+    Results come back as pickle files (a queue would pass tensors by file descriptors that die
+    with the worker). The call waits at most ``timeout`` seconds: a worker that hangs or dies
+    raises :class:`SpawnError` with its rank and its traceback or exit status, after every
+    worker is killed, so nothing hangs. A worker still running shortly before the limit prints
+    where it is stuck (faulthandler).
 
     ``expect_errors``: a worker that raised gives its traceback (a str) in its slot instead of
     failing the call. Ranks in ``may_die`` may exit without reporting (their slot is None).
@@ -142,21 +168,30 @@ def spawn(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float 
     import time
     from pathlib import Path
 
-    ctx = mp.get_context("spawn")
+    method = _START["method"]
+    ctx = mp.get_context(method)
+    forked = method == "forkserver"
+    if forked:
+        ctx.set_forkserver_preload(list(_START["preload"]))
+    env = dict(os.environ) if forked else None
     with tempfile.TemporaryDirectory(prefix="ngra-spawn-") as folder:
         procs = [ctx.Process(target=_spawned, args=(fn, r, world_size, folder, args, pg_timeout,
-                                                    max(1.0, timeout - 5.0), threads),
+                                                    max(1.0, timeout - 5.0), threads, env),
                              daemon=True) for r in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            hung = [r for r, p in enumerate(procs) if p.is_alive()]
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        finally:
+            if forked:
+                _relay_output(folder, world_size)
         if hung:
             raise SpawnError(f"worker(s) {hung} of {world_size} did not finish within "
                              f"{timeout:g} s (killed)")
@@ -177,13 +212,40 @@ def spawn(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float 
         return results
 
 
+def _relay_output(folder: str, world_size: int) -> None:
+    """What forked workers printed (their stdout and stderr went to ``output.<rank>``), on the
+    caller's stderr, one block per worker that printed anything."""
+    from pathlib import Path
+
+    for r in range(world_size):
+        path = Path(folder) / f"output.{r}"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        if text:
+            sys.stderr.write(f"--- output of worker {r} of {world_size} ---\n{text}")
+            if not text.endswith("\n"):
+                sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
 def _spawned(fn, rank: int, world_size: int, folder: str, args: tuple, pg_timeout: float,
-             dump_after: float, threads: int) -> None:
+             dump_after: float, threads: int, env: dict | None = None) -> None:
     import faulthandler
     import pickle
     import traceback
     from pathlib import Path
 
+    if env is not None:
+        # A fork of the server: the caller's environment, and output to a file the caller
+        # relays (the server's stdout and stderr are whatever the caller's were at its start).
+        os.environ.clear()
+        os.environ.update(env)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(os.path.join(folder, f"output.{rank}"),
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     faulthandler.dump_traceback_later(dump_after, exit=False)
     torch.set_num_threads(threads)

@@ -1,7 +1,8 @@
 """Run a function on K real worker processes joined by a gloo process group, for tests: a thin
-wrapper of :func:`ngra.distributed.launch.spawn` (fresh interpreters, one torch thread each, a
-FileStore in a temporary folder, every worker killed and the test failed after ``timeout``
-seconds, so a test never hangs CI) whose failures are test failures (:class:`WorkerError`).
+wrapper of :func:`ngra.distributed.launch.spawn` (forks of a server that imported torch and ngra
+once, as tests/conftest.py sets it; one torch thread each; a FileStore in a temporary folder;
+every worker killed and the test failed after ``timeout`` seconds, so a test never hangs CI)
+whose failures are test failures (:class:`WorkerError`).
 """
 
 from __future__ import annotations

@@ -95,3 +95,68 @@ def test_wait_for_peers_waits_for_the_last_worker_and_names_a_missing_one():
     out = distutil.run(_one_missing, 2, expect_errors=True)
     assert out[1] == "absent"
     assert "Rank 1 failed to pass monitoredBarrier in 2000 ms" in out[0], out[0]
+
+
+@pytest.fixture
+def start_method():
+    """Set spawn's start method in a test; the suite's own (tests/conftest.py) comes back after."""
+    from ngra.distributed import launch as mod
+
+    saved = dict(mod._START)
+    yield lambda method: mod.set_spawn_start_method(method, saved["preload"])
+    mod._START.update(saved)
+
+
+def _env_and_output(rank, world):
+    import os
+
+    print(f"hello from {rank}")
+    if rank == 1 and os.environ.get("NGRA_TEST_WORKER_FAILS") == "yes":
+        raise ValueError("worker 1 was told to fail")
+    return os.environ.get("NGRA_TEST_WORKER_VALUE")
+
+
+@pytest.mark.parametrize("method", ["forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_spawn_workers_see_the_callers_environment_and_their_output_is_kept(
+        method, start_method, monkeypatch, capfd):
+    # The forkserver starts at its first use and keeps that environment: a variable set after
+    # it started must still reach the workers, and what a forked worker prints (which would go
+    # to the server's stdout) must reach the caller's output.
+    start_method(method)
+    monkeypatch.setenv("NGRA_TEST_WORKER_VALUE", "one")
+    assert distutil.run(_env_and_output, 2) == ["one", "one"]
+    monkeypatch.setenv("NGRA_TEST_WORKER_VALUE", "two")
+    assert distutil.run(_env_and_output, 2) == ["two", "two"]
+    out, err = capfd.readouterr()
+    assert (out + err).count("hello from 0") == 2 and (out + err).count("hello from 1") == 2
+    monkeypatch.setenv("NGRA_TEST_WORKER_FAILS", "yes")
+    with pytest.raises(distutil.WorkerError, match=r"(?s)worker 1 raised:.*worker 1 was told"):
+        distutil.run(_env_and_output, 2)
+
+
+def _hangs(rank, world):
+    import time
+
+    if rank == 0:
+        time.sleep(600)
+
+
+@pytest.mark.slow  # waits out its 10 s limit
+def test_spawn_kills_a_hung_worker_and_names_it(start_method, capfd):
+    start_method("forkserver")
+    with pytest.raises(distutil.WorkerError, match=r"worker\(s\) \[0\] of 2 did not finish "
+                                                   r"within 10 s \(killed\)"):
+        distutil.run(_hangs, 2, timeout=10)
+    # faulthandler's dump, 5 s before the limit, says where the worker was stuck.
+    out, err = capfd.readouterr()
+    assert "output of worker 0 of 2" in err and "in _hangs" in err, err[-2000:]
+
+
+def test_spawn_start_method_must_be_known():
+    from ngra.distributed.launch import set_spawn_start_method
+
+    with pytest.raises(ValueError, match="start method must be 'spawn' or 'forkserver' "
+                                         "\\(got 'fork'\\)"):
+        set_spawn_start_method("fork")
+    with pytest.raises(TypeError, match="preload must be a list of module names"):
+        set_spawn_start_method("forkserver", "torch")
