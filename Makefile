@@ -72,9 +72,17 @@ scatter: env
 train: env
 	$(VENV)/bin/python -m ngra train --model gcn --dataset sbm --epochs 100 --seed 0
 
-# -k: a failure in one environment still lets the other one run and report.
+# Both environments are created first (side by side; tests of the first session call
+# .venv-dgl's python when it is there, so it must not be half-built under them), then the two
+# sessions run side by side: on a 2-core machine neither keeps both cores busy all the time
+# (numba compiles on one thread). -O shows each session's output whole when it ends, not
+# interleaved. -k: a failure in one environment still lets the other one run and report (an
+# environment that failed to build is tried again, and fails, in the second step).
+# TEST_JOBS=1 does everything one step after the other.
+TEST_JOBS ?= 2
 test:
-	@$(MAKE) --no-print-directory -k test-main test-dgl
+	-@$(MAKE) --no-print-directory -k -j$(TEST_JOBS) env dgl-env
+	@$(MAKE) --no-print-directory -k -j$(TEST_JOBS) -O test-main test-dgl
 
 # pytest exits 5 when the selection is empty: that is a broken selection, so it stays an error,
 # with a message saying so.
