@@ -25,9 +25,9 @@ os.environ.setdefault("DGLBACKEND", "pytorch")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Multi-worker tests start their workers by forking a server that imported torch and ngra once,
-# instead of a fresh interpreter that imports them again (3-4 s of CPU a worker; test_dist_graph
-# took 125 s instead of 198 on a 2-core machine). NGRA_TEST_START_METHOD=spawn runs them the
-# way users' scripts and the benchmarks start them.
+# instead of a fresh interpreter that imports them again (3-4 s of CPU a worker; the files of
+# multi-worker tests took 421 s instead of 813 on a 2-core machine). NGRA_TEST_START_METHOD=spawn
+# runs them the way users' scripts and the benchmarks start them.
 from ngra.distributed.launch import set_spawn_start_method  # noqa: E402
 
 set_spawn_start_method(os.environ.get("NGRA_TEST_START_METHOD", "forkserver"),

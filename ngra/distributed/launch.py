@@ -140,7 +140,7 @@ def set_spawn_start_method(method: str, preload=()) -> None:
         raise ValueError(f"start method must be 'spawn' or 'forkserver' (got {method!r})")
     if isinstance(preload, str):
         raise TypeError(f"preload must be a list of module names (got the string {preload!r}; "
-                        "write [{preload!r}])")
+                        f"write [{preload!r}])")
     _START["method"], _START["preload"] = method, tuple(preload)
 
 

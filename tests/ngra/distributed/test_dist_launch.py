@@ -158,5 +158,6 @@ def test_spawn_start_method_must_be_known():
     with pytest.raises(ValueError, match="start method must be 'spawn' or 'forkserver' "
                                          "\\(got 'fork'\\)"):
         set_spawn_start_method("fork")
-    with pytest.raises(TypeError, match="preload must be a list of module names"):
+    with pytest.raises(TypeError, match=r"preload must be a list of module names \(got the "
+                                        r"string 'torch'; write \['torch'\]\)"):
         set_spawn_start_method("forkserver", "torch")
