@@ -266,8 +266,11 @@ def spmm_mul_grads(csr, g, u, e):
     bptr, bind, beids = _blocked(t, nblk)
     gu = _CACHE.empty((csr.num_src, lo), g.dtype)
     ge = _CACHE.empty((csr.num_edges, W.shape[1]), g.dtype)
+    heads = W.shape[1]
+    # all heads in one pass where no 32-byte piece of a register tile spans two heads
+    one_pass = heads == 1 or (lo // heads * G.itemsize) % 32 == 0
     _launch(_spmm_mul_grads, parts, bptr, nblk, bind, beids, G, W, U, gu.numpy(), ge.numpy(),
-            _prefetch_distance(row_bytes))
+            _prefetch_distance(row_bytes), one_pass)
     return gu.reshape(u.shape), ge.reshape(e.shape)
 
 

@@ -156,15 +156,16 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _spmm_mul_grads(tparts, tbptr, nblk, tindices, teids, G, W, U, GU, GE, pf):
+def _spmm_mul_grads(tparts, tbptr, nblk, tindices, teids, G, W, U, GU, GE, pf, one_pass):
     """Gradients w.r.t. u and the weights of ``out = u_mul_e/sum(u, e)`` with one weight per edge
     and head, ``W`` [E, H] against rows of H heads of ``GU.shape[1] // H`` features (H = 1: one
     weight per edge; GAT's aggregation: u [N, H, C] * e [E, H, 1]), parallel over the rows of
     the transposed CSR (sources) in ``nblk`` blocks of destinations (layout as in
-    :func:`_spmm_sum`). A row runs one register-tile pass per head over that head's columns (the
-    later passes find the row's G rows in cache). Each GU row is summed by one thread in a fixed
-    order and each GE entry is written by the one pass holding its edge: deterministic without
-    atomics."""
+    :func:`_spmm_sum`). With ``one_pass`` (one head, or heads of a multiple of 32 bytes: the
+    caller checks) a row runs one register-tile pass over all heads; otherwise one pass per head
+    over that head's columns (the later passes find the row's G rows in cache). Each GU row is
+    summed by one thread in a fixed order and each GE entry is written by the one pass holding
+    its edge: deterministic without atomics."""
     ns = GU.shape[0]
     heads = W.shape[1]
     inner = GU.shape[1] // heads
@@ -176,11 +177,15 @@ def _spmm_mul_grads(tparts, tbptr, nblk, tindices, teids, G, W, U, GU, GE, pf):
                 if blk == 0:
                     for f in range(GU.shape[1]):
                         GU[s, f] = 0
+                if one_pass:
+                    _tile_mul_grad(G, tindices, W, teids, U, s, GE, tbptr[base + s],
+                                   tbptr[base + s + 1], GU, pf, pend, inner)
+                    continue
                 for h in range(heads):
                     a = h * inner
                     _tile_mul_grad(G[:, a:a + inner], tindices, W[:, h:h + 1], teids,
                                    U[:, a:a + inner], s, GE[:, h:h + 1], tbptr[base + s],
-                                   tbptr[base + s + 1], GU[:, a:a + inner], pf, pend)
+                                   tbptr[base + s + 1], GU[:, a:a + inner], pf, pend, inner)
 
 
 @njit(inline="always")

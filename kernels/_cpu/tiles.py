@@ -174,8 +174,13 @@ class _IRGather:
 
     def wcols(self, firsts):
         """The byte offset in W's row of the weight of each feature in ``firsts``."""
+        return self.wcols_of(firsts, self.safe_inner)
+
+    def wcols_of(self, firsts, inner):
+        """The byte offset of the head of each feature in ``firsts`` in a row of one item per
+        head of ``inner`` features."""
         b = self.b
-        return [b.mul(b.sdiv(f0, self.safe_inner), self.intp(self.isz)) for f0 in firsts]
+        return [b.mul(b.sdiv(f0, inner), self.intp(self.isz)) for f0 in firsts]
 
     @contextlib.contextmanager
     def edges(self, beg, end, pf, pend, cbytes, nbytes, with_weight, prefetch=None):
@@ -552,18 +557,21 @@ def _dot(typingctx, A, i, B, j, n):
 
 
 @intrinsic
-def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend):
-    """Both gradients of a u_mul_e/sum g-SpMM with one weight per edge, for one row ``s`` of the
-    transposed CSR, tile by tile over the row (:func:`_ir_tiles`):
-    ``GU[s] += sum over k in beg:end of G[ids[k]] * W[wids[k], 0]`` (register tiles, as in
-    :func:`_tile_sum`) and, from the same G row, ``GE[wids[k], 0] = sum over f of G[ids[k], f] *
-    U[s, f]``. Fusing them reads each G row once for both (a separate g-SDDMM for GE gathered every
-    U row again at random). The dot's order is fixed (per tile: 32-byte products summed
-    lane-wise, lanes pairwise, then the narrower pieces; tiles in row order): bitwise
-    reproducible."""
+def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend, inner):
+    """Both gradients of a u_mul_e/sum g-SpMM with one weight per edge and head of ``inner``
+    features, for one row ``s`` of the transposed CSR, tile by tile over the row
+    (:func:`_ir_tiles`): ``GU[s, f] += sum over k in beg:end of G[ids[k], f] * W[wids[k],
+    f // inner]`` (register tiles, as in :func:`_tile_sum`) and, from the same G row,
+    ``GE[wids[k], h] = sum over f in head h of G[ids[k], f] * U[s, f]``. Fusing them reads each G
+    row once for both (a separate g-SDDMM for GE gathered every U row again at random), and all
+    heads go in one pass over the row's edges. ``inner`` is the row's width (one head) or a
+    multiple of 32 bytes (every 32-byte piece of a tile then lies in one head; the caller checks).
+    The dot's order is fixed (per head and tile: its 32-byte products summed lane-wise, lanes
+    pairwise, then the narrower pieces; tiles in row order): bitwise reproducible, and for heads of
+    at most 256 bytes the same bits as one pass per head."""
     if not isinstance(G, types.Array):
         return None
-    sig = types.void(G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend)
+    sig = types.void(G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend, inner)
 
     def codegen(context, builder, sig, args):
         intp = context.get_value_type(types.intp)
@@ -571,11 +579,12 @@ def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend)
         isz = g.isz
         ua, gea, gua = [context.make_array(sig.args[k])(context, builder, args[k])
                         for k in (4, 6, 9)]
-        s_, beg_, end_, pf_, pend_ = [context.cast(builder, args[k], sig.args[k], types.intp)
-                                      for k in (5, 7, 8, 10, 11)]
+        s_, beg_, end_, pf_, pend_, inner_ = [
+            context.cast(builder, args[k], sig.args[k], types.intp) for k in (5, 7, 8, 10, 11, 12)]
         gebase, ges = g.base(gea), g.stride0(gea)
         gubase = _ir_row(builder, gua, s_)
         ubase = _ir_row(builder, ua, s_)
+        true = ir.Constant(ir.IntType(1), 1)
 
         def ge_ptr(wid):
             return builder.gep(gebase, [builder.mul(wid, ges)])
@@ -583,34 +592,53 @@ def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend)
         def tile(c0, nbytes):
             pieces = _ir_pieces(nbytes, isz)
             cbytes = builder.mul(c0, intp(isz))
-            first = builder.icmp_signed("==", c0, intp(0))
             gurow = builder.gep(gubase, [cbytes])
             urow = builder.gep(ubase, [cbytes])
+            # per piece, loop-invariant: its head's byte offset in W's and GE's rows, whether a
+            # head starts at it, and whether its head started in this tile (its first dot sets
+            # GE, with no zeroing pass; a head begun in an earlier tile adds to it)
+            firsts = [builder.add(c0, intp(o // isz)) for o, _ in pieces]
+            hcols = g.wcols_of(firsts, inner_)
+            starts = [builder.icmp_signed("==", builder.srem(f0, inner_), intp(0))
+                      for f0 in firsts]
+            sets = [starts[0]]
+            for st in starts[1:]:
+                sets.append(builder.or_(sets[-1], st))
             accs = [cgutils.alloca_once_value(
                 builder, builder.load(g.vptr(gurow, intp(o), lanes), align=isz))
                 for o, lanes in pieces]
             with g.edges(beg_, end_, pf_, pend_, cbytes, nbytes, True,
                          lambda kp: g.prefetch(ge_ptr(g.load_id(g.wids, kp)), write=True)) as edge:
-                w = edge.weight(intp(0))
+                gerow = ge_ptr(edge.wid)
+
+                def flush(dot, i):
+                    gep = _ir_ptr(builder, gerow, hcols[i], g.fty)
+                    builder.store(builder.select(sets[i], dot,
+                                                 builder.fadd(builder.load(gep), dot)), gep)
+
                 vsum, dot = None, None
-                for (o, lanes), a in zip(pieces, accs):
+                for i, ((o, lanes), a) in enumerate(zip(pieces, accs)):
                     val = edge.raw(o, lanes)
-                    wval = builder.fmul(val, _ir_splat(builder, w, lanes))
-                    builder.store(builder.fadd(builder.load(a), wval), a)
+                    w = _ir_splat(builder, edge.weight(hcols[i]), lanes)
+                    builder.store(builder.fadd(builder.load(a), builder.fmul(val, w)), a)
                     prod = builder.fmul(val, builder.load(g.vptr(urow, intp(o), lanes), align=isz))
                     if lanes * isz == 32:
-                        vsum = prod if vsum is None else builder.fadd(vsum, prod)
+                        if vsum is None:
+                            vsum = prod
+                            continue
+                        # a new head from this piece on: the last one's dot goes out first
+                        with builder.if_then(starts[i]):
+                            flush(_ir_hsum(builder, vsum, lanes), i - 1)
+                        vsum = builder.select(starts[i], prod, builder.fadd(vsum, prod))
                         continue
+                    # narrower pieces: only at the end of a row of one head
                     if vsum is not None:
                         dot, vsum = _ir_hsum(builder, vsum, 32 // isz), None
                     part = _ir_hsum(builder, prod, lanes)
                     dot = part if dot is None else builder.fadd(dot, part)
                 if vsum is not None:
                     dot = _ir_hsum(builder, vsum, 32 // isz)
-                gep = builder.bitcast(ge_ptr(edge.wid), g.fty.as_pointer())
-                # the row's first tile sets GE (no zeroing pass), later tiles add to it
-                builder.store(builder.select(first, dot, builder.fadd(builder.load(gep), dot)),
-                              gep)
+                flush(dot, len(pieces) - 1)
             for (o, lanes), a in zip(pieces, accs):
                 builder.store(builder.load(a), g.vptr(gurow, intp(o), lanes), align=isz)
 
