@@ -327,6 +327,18 @@ def _edge_dropout_kernel(x, out, ids, state, threshold, scale):
         return
     x1 = x.reshape(rows * width)
     o1 = out.reshape(rows * width)
+    shift = 0
+    while (1 << shift) < width:
+        shift += 1
+    if (1 << shift) == width:
+        # a power of two (GAT's heads): the row and column by shift and mask, which vectorize;
+        # a 64-bit division per element made 4 heads 4x as slow as the flat dropout (17.8M
+        # edges x 4: 206 against 52 ms)
+        low, sh = width - 1, np.uint64(shift)
+        for i in prange(rows * width):
+            key = (np.uint64(ids[i >> shift]) << sh) + np.uint64(i & low)
+            o1[i] = x1[i] * (scale if _keep(state, key, threshold) else zero)
+        return
     for i in prange(rows * width):
         r = i // width
         key = np.uint64(ids[r]) * np.uint64(width) + np.uint64(i - r * width)
