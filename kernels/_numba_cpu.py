@@ -27,7 +27,7 @@ from ._cpu.codes import (M_BLOCK_E, M_COPY_E, M_COPY_U, M_GENERIC, S_COPY, S_DOT
 from ._cpu.softmax import (_edge_dst, _edge_softmax, _edge_softmax_backward,
                           _edge_softmax_backward_rows, _edge_softmax_ordered,
                           _edge_softmax_ordered1)
-from ._cpu.sddmm import _sddmm, _sddmm_uv
+from ._cpu.sddmm import _sddmm, _sddmm_uv, _sddmm_uv_dot
 from ._cpu.spmm import (_maxmin_grad_e, _maxmin_grad_u, _spmm_maxmin, _spmm_mul_grads, _spmm_norm,
                         _spmm_sum)
 from ._ops import bcast_offsets, out_feat_shape
@@ -407,6 +407,14 @@ def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
         # order and without, in random edge order; F = 1 is never blocked)
         _launch(_sddmm_uv, parts, indptr, indices, eids, L, R, out.numpy(), _CODE[binop],
                 _prefetch_distance(L.shape[1] * L.itemsize))
+        return out.reshape((csr.num_edges,) + fo)
+    if (mode in (S_DOT_ROW, S_DOT_BLOCKS) and {lhs_target, rhs_target} == {"u", "v"}
+            and L.shape[1] == R.shape[1] == red * math.prod(fo)):
+        # u_dot_v / v_dot_u, one dot per edge or per head: the destination's row stays in
+        # cache over its CSR row, never blocked (as _sddmm_uv); the dot commutes, bit for bit
+        U, V = (L, R) if lhs_target == "u" else (R, L)
+        _launch(_sddmm_uv_dot, parts, indptr, indices, eids, U, V, out.numpy(), red,
+                _prefetch_distance(U.shape[1] * U.itemsize))
         return out.reshape((csr.num_edges,) + fo)
     nblk = 1
     if lhs_target == "u" and rhs_target != "u" and csr.blocking:

@@ -1,5 +1,6 @@
 """The g-SDDMM kernels: one result row per edge, in source blocks where the host asks
-(:func:`_sddmm`), and a source-op-destination row per edge (:func:`_sddmm_uv`)."""
+(:func:`_sddmm`), a source-op-destination row per edge (:func:`_sddmm_uv`) and per-head dot
+products of a source and a destination row (:func:`_sddmm_uv_dot`)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,27 @@ def _sddmm_uv(parts, indptr, indices, eids, L, R, out, op, pf):
                 orow = out[eids[k]]
                 for f in range(lo):
                     orow[f] = _bop(op, lrow[f], rrow[f])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _sddmm_uv_dot(parts, indptr, indices, eids, L, R, out, red, pf):
+    """``out[eid, h] = L[src, h*red:(h+1)*red] . R[dst, h*red:(h+1)*red]`` for every edge and
+    head h < ``out.shape[1]`` (u_dot_v, one dot per edge or per head; rows of one width,
+    unblocked), each by :func:`_dot` (a fixed order: bitwise reproducible), with the source row
+    ``pf`` edges ahead prefetched: the only random read per edge. Through :func:`_sddmm` (per
+    edge: the operands' row choice, then the blocked or the plain dot loop) R-MAT 1M / 17M took
+    389 ms for one dot of 16 and 1.05 s for 4 heads of 16."""
+    heads = out.shape[1]
+    ll = L.shape[1]
+    line = max(1, 64 // L.itemsize)
+    for p in prange(parts.size - 1):
+        pend = indptr[parts[p + 1]]
+        for v in range(parts[p], parts[p + 1]):
+            for k in range(indptr[v], indptr[v + 1]):
+                if k + pf < pend:
+                    _prefetch_row(L, indices[k + pf], ll, line)
+                s = indices[k]
+                eid = eids[k]
+                for h in range(heads):
+                    o = h * red
+                    out[eid, h] = _dot(L[:, o:o + red], s, R[:, o:o + red], v, red)

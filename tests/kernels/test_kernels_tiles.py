@@ -241,12 +241,35 @@ def test_gspmm_maxmin_tiles_nan_and_inf(dtype):
             assert torch.equal(ga, gb)
 
 
+@pytest.mark.parametrize("heads,width", [(1, 37), (4, 16)])
+def test_sddmm_uv_dot_either_order_and_threads(heads, width):
+    """The source-destination dot (_sddmm_uv_dot) on a graph with more sources than
+    destinations: the reference's values; the destination operand given first (lhs "v") gives
+    the same bits, as does one thread."""
+    gen = torch.Generator().manual_seed(2)
+    src = torch.randint(0, 60, (500,), generator=gen)
+    dst = torch.randint(0, 25, (500,), generator=gen)
+    csr = kernels.CSR.from_coo(src, dst, (60, 25))
+    u = rand((60, heads, width), torch.float32, 5)
+    v = rand((25, heads, width), torch.float32, 6)
+    got = _numba_cpu.sddmm(csr, "dot", u, "u", v, "v")
+    assert got.shape == (500, heads, 1)
+    assert torch.allclose(got, ref_gsddmm(csr, "u_dot_v", u=u, v=v), **_tol(torch.float32))
+    assert torch.equal(_numba_cpu.sddmm(csr, "dot", v, "v", u, "u"), got)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _numba_cpu.sddmm(csr, "dot", u, "u", v, "v")
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, got)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("heads,width", [(2, 1), (4, 16), (3, 5), (8, 33)])
 def test_sddmm_dot_per_block(dtype, heads, width):
-    """u_dot_v of [N, H, C] rows (GAT's attention gradient: one dot per head over contiguous
-    blocks) through the block loop: the torch backend's values, infinities kept (a zero start
-    of the output's type, not x - x)."""
+    """u_dot_v of [N, H, C] rows (one dot per head over contiguous blocks, _sddmm_uv_dot): the
+    torch backend's values, infinities kept."""
     csr = _graph(torch.int32)
     u = rand((csr.num_src, heads, width), dtype, 3)
     v = rand((csr.num_dst, heads, width), dtype, 4)
