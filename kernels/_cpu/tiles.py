@@ -584,7 +584,6 @@ def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend,
         gebase, ges = g.base(gea), g.stride0(gea)
         gubase = _ir_row(builder, gua, s_)
         ubase = _ir_row(builder, ua, s_)
-        true = ir.Constant(ir.IntType(1), 1)
 
         def ge_ptr(wid):
             return builder.gep(gebase, [builder.mul(wid, ges)])
