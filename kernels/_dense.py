@@ -11,7 +11,7 @@ training loop's [N, F] results reuse warm pages (``benchmarks/README.md``, e2e).
 
 A Linear whose input is the output of ``kernels._dropout.dropout`` (a model's dropout of its input
 features) keeps the dropout's input, which the caller keeps anyway, instead of its output, and
-its backward makes the dropout again a few MiB of rows at a time for the weight gradient: an
+its backward makes the dropout again 16 MiB of rows at a time for the weight gradient: an
 [N, in] tensor less from the forward to the end of backward (512 MiB for R-MAT's 1M x 128
 features; the e2e benchmark's peak RSS), and no [N, in] block to find in backward.
 
@@ -142,7 +142,7 @@ def _wide(x: torch.Tensor, g: torch.Tensor) -> bool:
 
 def _weight_grad_dropped(x: torch.Tensor, p: float, seed: int, rows, g: torch.Tensor):
     """:func:`_weight_grad` of ``dropout(x, p, seed, rows)`` (``kernels._dropout``) and ``g``, the
-    dropout made again a few MiB of rows at a time (``_dropout.chunks``) and each chunk's
+    dropout made again 16 MiB of rows at a time (``_dropout.chunks``) and each chunk's
     product accumulated in row order: no [N, in] tensor (fresh pages, or a cached block held
     for it), its writes and reads in cache. The same sums as :func:`_weight_grad`'s GEMM in
     another grouping (equal up to rounding)."""
