@@ -38,9 +38,10 @@ def _sddmm(parts, bptr, nblk, indices, eids, L, lt, R, rt, out, op, mode, loff, 
                     if mode == S_DOT_ROW:
                         out[eid, 0] = _dot(L, _row(lt, s, v, eid), R, _row(rt, s, v, eid), red)
                     elif mode == S_DOT_BLOCKS:
-                        # GAT's attention gradient: per head, the dot of two contiguous blocks;
-                        # the S_DOT loop below reads the same offsets through two index arrays
-                        # and did not vectorize (4 heads x 16 on R-MAT 1M/16M: 1.06 s)
+                        # per head, the dot of two contiguous blocks (u_dot_e and the like;
+                        # u_dot_v takes _sddmm_uv_dot); the S_DOT loop below reads the same
+                        # offsets through two index arrays and did not vectorize (4 heads x 16
+                        # on R-MAT 1M/16M: 1.06 s)
                         for j in range(lo):
                             o = j * red
                             orow[j] = 0
