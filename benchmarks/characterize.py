@@ -97,6 +97,8 @@ def _ngra_runner(name, gd, weights):
     for m in model.modules():  # the SAGA stages are the compiled program's: GCN's one kernel has none
         if isinstance(m, GCNConv):
             m.fuse = False
+        if isinstance(m, ngra.VertexProgram):  # each Linear under its own stage, not one group
+            m.group_linears = False
     g = ngra.Graph(torch.from_numpy(gd["src"]), torch.from_numpy(gd["dst"]), gd["num_nodes"])
     g.in_csr()  # built once and cached on the graph (as DGL's create_formats_)
     x, y = torch.from_numpy(gd["x"]), torch.from_numpy(gd["y"])

@@ -37,7 +37,7 @@ from . import _dropout
 from ._outcache import CACHE as _CACHE
 from ._outcache import MIN_BYTES
 
-__all__ = ["call", "linear", "relu", "leaky_relu", "addcmul", "add", "mul"]
+__all__ = ["call", "linear", "linear_group", "relu", "leaky_relu", "addcmul", "add", "mul"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -146,15 +146,23 @@ def _weight_grad_dropped(x: torch.Tensor, p: float, seed: int, rows, g: torch.Te
     product accumulated in row order: no [N, in] tensor (fresh pages, or a cached block held
     for it), its writes and reads in cache. The same sums as :func:`_weight_grad`'s GEMM in
     another grouping (equal up to rounding)."""
-    wide = _wide(x, g)
-    acc = torch.zeros((x.shape[1], g.shape[1]) if wide else (g.shape[1], x.shape[1]),
-                      dtype=g.dtype)
+    return _weight_grads_dropped(x, p, seed, rows, [g])[0]
+
+
+def _weight_grads_dropped(x: torch.Tensor, p: float, seed: int, rows, gs) -> list:
+    """:func:`_weight_grad_dropped` for several gradients ``gs`` of Linears sharing the dropout
+    ``x``: the dropout made again once for all of them, each chunk's products for every ``g``
+    while the chunk is in cache."""
+    wide = [_wide(x, g) for g in gs]
+    accs = [torch.zeros((x.shape[1], g.shape[1]) if w else (g.shape[1], x.shape[1]),
+                        dtype=g.dtype) for g, w in zip(gs, wide)]
     for r0, r1, xd in _dropout.chunks(x, p, seed, rows):
-        if wide:
-            acc.addmm_(xd.t(), g[r0:r1])
-        else:
-            acc.addmm_(g[r0:r1].t(), xd)
-    return acc.t().contiguous() if wide else acc
+        for acc, g, w in zip(accs, gs, wide):
+            if w:
+                acc.addmm_(xd.t(), g[r0:r1])
+            else:
+                acc.addmm_(g[r0:r1].t(), xd)
+    return [acc.t().contiguous() if w else acc for acc, w in zip(accs, wide)]
 
 
 def _linear(x, weight, bias=None):
@@ -170,6 +178,111 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)``; cached for a 2-D ``x``."""
     out = _linear(x, weight, bias)
     return F.linear(x, weight, bias) if out is NotImplemented else out
+
+
+# -- Linears sharing their input ------------------------------------------------------------------
+class _LinearGroup(torch.autograd.Function):
+    """``F.linear(x, w_i, b_i)`` for several Linears on one ``x`` (``wb`` = ``w_0, b_0, w_1, b_1,
+    ...``, a bias may be None). The forward is :class:`_Linear`'s, one GEMM per Linear into its
+    own block (torch's values to the bit). The backward takes all the gradients at once (autograd
+    calls it when every output's gradient is in): ``x``'s gradient as one GEMM of the gradients
+    side by side ([N, sum out]) and the weights stacked, instead of one [N, in] product per
+    Linear and their sums; the weight gradients in one pass over ``x`` (over the dropout made
+    again once, where ``x`` is a dropout of the input features, not once per Linear). Both are
+    the same sums as the separate Linears' in another grouping (equal up to rounding)."""
+
+    @staticmethod
+    def forward(ctx, x, *wb):
+        ws, bs = wb[0::2], wb[1::2]
+        need = ctx.needs_input_grad
+        need_w = any(need[1::2])
+        ctx.remat = _dropout.recipe(x) if need_w else None
+        keep = ctx.remat[0] if ctx.remat is not None else x
+        ctx.save_for_backward(keep if need_w else None, *(ws if need[0] else ()))
+        ctx.has_bias = tuple(b is not None for b in bs)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
+        outs = []
+        for w, b in zip(ws, bs):
+            shape = (x.shape[0], w.shape[0])
+            outs.append(_out(torch.mm, shape, x.dtype, x, w.t()) if b is None
+                        else _out(torch.addmm, shape, x.dtype, b, x, w.t()))
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        x, *ws = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        live = [i for i, g in enumerate(gs) if g is not None]
+        grads = [None] * len(need)
+
+        def side_by_side(idx):  # the gradients of Linears idx as one [N, sum out] tensor
+            if len(idx) == 1:
+                return gs[idx[0]]
+            parts = [gs[i] for i in idx]
+            width = sum(g.shape[1] for g in parts)
+            return _out(torch.cat, (parts[0].shape[0], width), parts[0].dtype, parts, 1)
+
+        gc = None
+        if need[0] and live:
+            gc = side_by_side(live)
+            w = ws[live[0]] if len(live) == 1 else torch.cat([ws[i] for i in live])
+            grads[0] = _out(torch.mm, (gc.shape[0], w.shape[1]), gc.dtype, gc, w)
+        wanted = [i for i in live if need[1 + 2 * i]]
+        if wanted:
+            if ctx.remat is None:  # one weight-gradient GEMM over x, cut into the Linears' rows
+                if gc is None or len(wanted) != len(live):
+                    gc = side_by_side(wanted)
+                stacked = _weight_grad(x, gc)
+                bounds = [0]
+                for i in wanted:
+                    bounds.append(bounds[-1] + gs[i].shape[1])
+                gw = [stacked[a:b] for a, b in zip(bounds, bounds[1:])]
+                if len(wanted) > 1:
+                    gw = [t.clone() for t in gw]  # each parameter's own gradient tensor
+            elif torch.is_grad_enabled():  # create_graph: through the differentiable dropout
+                xd = _dropout.recompute(x, *ctx.remat[1:])
+                gw = [_weight_grad(xd, gs[i]) for i in wanted]
+            else:
+                gw = _weight_grads_dropped(x, *ctx.remat[1:], [gs[i] for i in wanted])
+            for i, t in zip(wanted, gw):
+                grads[1 + 2 * i] = t
+        for i in live:
+            if ctx.has_bias[i] and need[2 + 2 * i]:
+                grads[2 + 2 * i] = gs[i].sum(0)
+        return tuple(grads)
+
+
+def linear_group(x: torch.Tensor, *linears) -> tuple:
+    """``(linear_0(x), linear_1(x), ...)`` for Linears reading the same ``x``, each a
+    ``torch.nn.Linear`` or a ``(weight, bias)`` pair of ``F.linear`` (bias may be None), as
+    ``ngra.passes.group_linears`` groups them in a compiled program. The values are the separate
+    Linears' to the bit; their backward runs once for all of them (:class:`_LinearGroup`). If a
+    module among them has hooks, every Linear is called on its own (a module through its own
+    call), so that the hooks run; so is a module other than a plain ``torch.nn.Linear``."""
+    if not linears:
+        raise ValueError("linear_group needs at least one Linear after x: a torch.nn.Linear or "
+                         "a (weight, bias) pair")
+    wb = []
+    for k, lin in enumerate(linears):
+        if isinstance(lin, torch.nn.Linear):
+            wb += [lin.weight, lin.bias]
+        elif isinstance(lin, (tuple, list)) and len(lin) == 2:
+            wb += list(lin)
+        else:
+            raise TypeError(f"linear_group: Linear {k} must be a torch.nn.Linear or a (weight, "
+                            f"bias) pair with bias None for none (got {type(lin).__name__})")
+    ws, bs = wb[0::2], wb[1::2]
+    operands = [x, *ws, *(b for b in bs if b is not None)]
+    if (not any(isinstance(m, torch.nn.Module) and (type(m) is not torch.nn.Linear or _hooked(m))
+                for m in linears)
+            and all(isinstance(t, torch.Tensor) for t in operands) and x.dim() == 2
+            and all(w.dim() == 2 and w.shape[1] == x.shape[1] for w in ws)
+            and all(b is None or (b.dim() == 1 and b.shape[0] == w.shape[0])
+                    for w, b in zip(ws, bs))
+            and usable((x.shape[0], sum(w.shape[0] for w in ws)), *operands)):
+        return _LinearGroup.apply(x, *wb)
+    return tuple(m(x) if isinstance(m, torch.nn.Module) else linear(x, w, b)
+                 for m, w, b in zip(linears, ws, bs))
 
 
 # -- ReLU -----------------------------------------------------------------------------------------

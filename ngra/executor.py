@@ -355,6 +355,8 @@ class Interpreter:
         return module(*args, **kwargs) if out is NotImplemented else out
 
     def call_function(self, n: Node, args, kwargs):
+        if n.target is _dense.linear_group:  # ngra.passes.group_linears: modules by their path
+            args = tuple(self.layer.get_submodule(a) if isinstance(a, str) else a for a in args)
         out = _dense.call("function", n.target, args, kwargs)
         return n.target(*args, **kwargs) if out is NotImplemented else out
 

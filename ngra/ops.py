@@ -144,7 +144,7 @@ TORCH_OPS: dict[str, TorchOp] = {op.name: op for op in (
     *_group("like", "view_as expand_as", view=True),
     *_group("always", "type_as dim ndimension"),
     *_group("cat", "cat concat stack"),
-    *_group("matmul", "matmul mm bmm linear"),
+    *_group("matmul", "matmul mm bmm linear linear_group"),  # linear_group: ngra.passes
     *_group("embedding", "embedding"),
     *_group("getattr", "getattr"),
     *_group("getitem", "getitem"),

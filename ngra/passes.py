@@ -8,6 +8,9 @@
 - :func:`fuse`: element-wise binary ops between scattered vertex values and edge values become
   one g-SDDMM (``u_add_v``, ``u_mul_e``, ``u_dot_v``, ...), and Scatter -> element-wise -> Gather
   becomes one g-SpMM, so no [E, F] tensor is materialized for the message.
+- :func:`group_linears`: Linears reading the same vertex value (after lifting: GraphSAGE's
+  ``W_l x`` and ``W_r x``) become one ``linear_group`` node, whose backward runs once for all of
+  them (one GEMM for the input's gradient, one pass over the input for the weights').
 
 Row-wise means: row k of the output depends only on row k of the edge-domain inputs
 (:func:`row_mixing` says why an op is not). Lifting is only applied to pure operations known to be
@@ -24,11 +27,14 @@ from __future__ import annotations
 import operator
 
 import torch
+import torch.nn.functional as F
+
+from kernels import _dense
 
 from .ir import IR, Node, function_name, map_nodes
 from .ops import TENSOR_META, module_pure, module_rows, torch_op, writes_in_place
 
-__all__ = ["dce", "cse", "lift", "fuse", "optimize", "PASSES", "row_mixing", "mixing_reason"]
+__all__ = ["dce", "cse", "lift", "fuse", "group_linears", "optimize", "PASSES", "row_mixing", "mixing_reason"]
 
 # --- purity -------------------------------------------------------------------------------------
 def _short(n: Node) -> str:
@@ -53,7 +59,7 @@ def is_pure(n: Node) -> bool:
             return False
         if n.op == "call_function":
             mod = getattr(n.target, "__module__", "") or ""
-            return n.target in (getattr, operator.getitem) or mod.startswith(("torch", "_operator", "operator"))
+            return n.target in (getattr, operator.getitem, _dense.linear_group) or mod.startswith(("torch", "_operator", "operator"))
         return True
     return True  # graph ops, parameters, constants
 
@@ -279,7 +285,7 @@ def _matmul(n, op, name):
     if not (_rows(x) and (xdim or 0) >= 2):
         return f"{name} does not keep the rows of a per-edge value as its first operand"
     others = [a for a in n.inputs() if a is not x]
-    if name == "linear" and all(a.domain == "param" for a in others):
+    if name in ("linear", "linear_group") and all(a.domain == "param" for a in others):
         return None
     if name in ("matmul", "mm") and isinstance(w, Node) and w.domain == "param" and \
             w.shape is not None and len(w.shape) <= 2:
@@ -539,11 +545,100 @@ def fuse(ir: IR) -> IR:
     return dce(ir)
 
 
-PASSES = {"dce": dce, "cse": cse, "lift": lift, "fuse": fuse}
+# --- group_linears -------------------------------------------------------------------------------
+def _linear_parts(n: Node) -> tuple | None:
+    """``(x, linear)`` of a vertex Linear that :func:`group_linears` may group: ``F.linear(x, w[,
+    b])`` on parameter values (``linear`` the pair ``(w, b)``), or a plain ``torch.nn.Linear``
+    without hooks (``linear`` its path); else None."""
+    if n.domain != "vertex" or _ndim(n) != 2 or n.dtype is None:
+        return None
+    if n.op == "call_function" and n.target is F.linear:
+        if len(n.args) > 3 or set(n.kwargs) - {"weight", "bias"}:
+            return None
+        x, w, b = (n.args[0] if n.args else None), _arg(n, 0, "weight"), _arg(n, 1, "bias")
+        if not (isinstance(w, Node) and w.domain == "param" and _ndim(w) == 2
+                and w.dtype == n.dtype):
+            return None
+        if b is not None and not (isinstance(b, Node) and b.domain == "param" and _ndim(b) == 1
+                                  and b.dtype == n.dtype):
+            return None
+        linear = (w, b)
+    elif n.op == "call_module" and type(n.value) is torch.nn.Linear and len(n.args) == 1 \
+            and not n.kwargs and not _dense._hooked(n.value) \
+            and n.value.weight.dtype == n.dtype:
+        x, linear = n.args[0], n.target
+    else:
+        return None
+    if not (isinstance(x, Node) and x.domain == "vertex" and _ndim(x) == 2 and x.dtype == n.dtype):
+        return None
+    return x, linear
 
 
-def optimize(ir: IR) -> IR:
-    """The default pipeline: dce, cse, lift, cse, fuse (each lints its input and output)."""
+def group_linears(ir: IR) -> IR:
+    """Linears that read the same vertex value (GraphSAGE's ``W_l x`` lifted from ApplyEdge and
+    ``W_r x`` in ApplyVertex; GAT's two score projections; the gated GCN's key, query, value and
+    skip) become one ``linear_group`` node (its operands: the input, then per Linear its module's
+    path or its ``(weight, bias)`` values) and a ``getitem`` per Linear. Its forward is the same
+    GEMMs; its backward runs once for the group (``kernels._dense.linear_group``): the input's
+    gradient as one GEMM, the weight gradients in one pass over the input."""
+    ir = _start(ir, "group_linears")
+    groups: dict[int, list] = {}
+    for n in ir.nodes:
+        parts = _linear_parts(n)
+        if parts is not None:
+            groups.setdefault(id(parts[0]), []).append((n, parts[1]))
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        pos = {id(m): k for k, m in enumerate(ir.nodes)}
+        first = members[0][0]
+        at = pos[id(first)]
+        # weights and biases (and what they are computed from) defined after the first Linear
+        # move before it: parameter values read nothing per vertex
+        hoist: dict[int, Node] = {}
+
+        def need(a: Node) -> None:
+            if id(a) in hoist or pos[id(a)] < at:
+                return
+            for b in a.inputs():
+                need(b)
+            hoist[id(a)] = a
+
+        for _, linear in members:
+            for a in (linear if isinstance(linear, tuple) else ()):
+                if a is not None:
+                    need(a)
+        moved = sorted(hoist.values(), key=lambda a: pos[id(a)])
+        # its stage: the Linears' (lifted ApplyEdge work, ApplyVertex work), joined by "+" when
+        # they differ, as GraphSAGE's "ApplyEdge+ApplyVertex"
+        stages = list(dict.fromkeys(n.stage for n, _ in members if n.stage))
+        group = Node(ir.fresh_name("linears"), "call_function", _dense.linear_group,
+                     (first.args[0], *(linear for _, linear in members)), {}, "vertex",
+                     stage="+".join(stages) or None)
+        group.source = first.source
+        picks = []
+        for k, (n, _) in enumerate(members):
+            name = n.name
+            n.name = "__grouped"
+            pick = Node(name, "call_function", operator.getitem, (group, k), {}, "vertex",
+                        stage=n.stage)
+            pick.shape, pick.dtype, pick.source = n.shape, n.dtype, n.source
+            picks.append(pick)
+        gone = {id(a) for a in moved} | {id(n) for n, _ in members}
+        before = [m for m in ir.nodes if id(m) not in gone and pos[id(m)] < at]
+        after = [m for m in ir.nodes if id(m) not in gone and pos[id(m)] > at]
+        ir.nodes = before + moved + [group, *picks] + after
+        for (n, _), pick in zip(members, picks):
+            ir.replace_all_uses(n, pick)
+    return dce(ir)
+
+
+PASSES = {"dce": dce, "cse": cse, "lift": lift, "fuse": fuse, "group_linears": group_linears}
+
+
+def optimize(ir: IR, *, group: bool = True) -> IR:
+    """The default pipeline: dce, cse, lift, cse, fuse, then group_linears unless ``group`` is
+    False (each pass lints its input and output)."""
     for p in (dce, cse, lift, cse, fuse):
         ir = p(ir)
-    return ir
+    return group_linears(ir) if group else ir

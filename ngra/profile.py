@@ -12,7 +12,9 @@ ApplyVertex go, in the forward and in the backward?
 **Forward.** Every IR node is timed under its stage tag, with a device synchronization around it
 on GPUs (so it slows GPU runs down; use it for breakdowns, not for end-to-end timings). After
 fusion a g-SpMM does Scatter + ApplyEdge + Gather in one kernel and is counted as Gather; lifted
-ApplyEdge work that runs on vertices still counts as ApplyEdge. Layers that run eagerly (not
+ApplyEdge work that runs on vertices still counts as ApplyEdge; Linears of several stages on one
+input, run as one group (``ngra.passes.group_linears``), count under their stages joined by "+"
+("ApplyEdge+ApplyVertex" for GraphSAGE's two). Layers that run eagerly (not
 compiled) are recorded as one "Eager" entry. Work outside the vertex programs (activations and
 dropout between layers, a model's ``prepare()``) is not recorded.
 
@@ -88,7 +90,8 @@ class StageProfile:
 
     def totals(self) -> dict:
         """Forward seconds per stage (every stage present, zero if unused), plus "Eager" or
-        "Other" if any node carried such a tag."""
+        "Other" if any node carried such a tag, and "ApplyEdge+ApplyVertex" (or another such
+        join) for Linears of several stages run as one group."""
         return self._sum(self.records)
 
     def backward_totals(self) -> dict:

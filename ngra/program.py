@@ -74,6 +74,10 @@ class VertexProgram(torch.nn.Module):
     gather: Any = "sum"
     #: run this layer's SAGA functions eagerly on real tensors (see :func:`ngra.eager`)
     eager: bool = False
+    #: run Linears that read the same vertex value as one group, whose backward runs once for all
+    #: of them (:func:`ngra.passes.group_linears`); False keeps one IR node per Linear, so that a
+    #: per-stage profile puts each under its own stage (the group counts under the joined stages)
+    group_linears: bool = True
 
     def __init__(self, gather=None):
         super().__init__()
@@ -119,7 +123,7 @@ class VertexProgram(torch.nn.Module):
     def program_for(self, vdata: dict, edata: dict, g: Graph | None = None) -> "Program":
         """The compiled program for this input signature (``g``: the graph of the call, used only
         to rerun a layer that fails to compile on real data, so its error is about that data)."""
-        key = (self.training, _signature(vdata), _signature(edata))
+        key = (self.training, bool(self.group_linears), _signature(vdata), _signature(edata))
         programs = self.__dict__.setdefault("_programs", {})
         prog = programs.get(key)
         if prog is None:
@@ -258,7 +262,7 @@ class Program:
                           f"{_describe_sig(self.vsig, self.esig)}: {e}\ntraced IR:\n{raw}") from e
         _check_message(layer, raw, (graph, vdata, edata))
         self.raw_ir = raw
-        self.ir = optimize(raw) if optimize_ir else raw
+        self.ir = optimize(raw, group=bool(layer.group_linears)) if optimize_ir else raw
 
     def run(self, g: Graph, vdata, edata=None, *, fused: bool = True, backend: str = "auto",
             checked: bool = False):

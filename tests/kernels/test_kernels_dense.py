@@ -224,17 +224,26 @@ def test_layers_same_with_and_without_the_cached_ops(name, monkeypatch):
         taken.append(out is not NotImplemented)
         return out
     monkeypatch.setattr(_dense, "call", counted)
+    grouped = []
+    group = _dense._LinearGroup.apply
+    monkeypatch.setattr(_dense._LinearGroup, "apply", lambda *a: grouped.append(1) or group(*a))
     fast = _layer_run(layer, g, x)
-    # GIN: its MLP's Linear, ReLU, Linear; GraphSAGE: two linears (+ the sum); GCN: W x; GAT:
-    # its Linear, LeakyReLU, + bias
-    assert sum(taken) >= {"gin": 3, "sage": 2, "gcn": 1, "gat": 3}[name]
+    # GIN: its MLP's Linear, ReLU, Linear; GraphSAGE: the sum (its two Linears on x: a group);
+    # GCN: W x; GAT: its Linear, LeakyReLU, + bias (its two score projections, [N, 8] each,
+    # are a group too small for the cached path: torch's Linears)
+    assert sum(taken) >= {"gin": 3, "sage": 1, "gcn": 1, "gat": 3}[name]
+    assert len(grouped) == (name == "sage")
     limit = kernels.output_cache_limit()
     kernels.set_output_cache_limit(0)
     try:
         slow = _layer_run(layer, g, x)
     finally:
         kernels.set_output_cache_limit(limit)
-    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+    assert torch.equal(fast[0], slow[0])
+    if grouped:  # x's gradient through the grouped Linears: one GEMM instead of a sum of two
+        _close(fast[1], slow[1])
+    else:
+        assert torch.equal(fast[1], slow[1])
     for a, b in zip(fast[2], slow[2]):  # the weights' gradients up to rounding
         _close(a, b)
 
@@ -335,3 +344,104 @@ def test_linear_of_a_dropout_second_derivatives():
         hvps.append(torch.autograd.grad(gw.sum(), (x, w)))
     for got, want in zip(*hvps):
         _close(got, want)
+
+
+# -- Linears sharing their input (ngra.passes.group_linears) --------------------------------------
+def _separate(x, *wb):
+    return tuple(F.linear(x, w, b) for w, b in zip(wb[0::2], wb[1::2]))
+
+
+def _grouped(x, *wb):
+    return _dense.linear_group(x, *zip(wb[0::2], wb[1::2]))
+
+
+def _group_grads(fn, inputs, used, seed=0):
+    """``fn(*inputs)`` (a tuple) and the gradients of a random weighting of its outputs ``used``
+    w.r.t. every input that requires grad (None where nothing reaches it)."""
+    outs = fn(*inputs)
+    gen = torch.Generator().manual_seed(seed)
+    loss = sum((o * torch.randn(o.shape, dtype=o.dtype, generator=gen)).sum()
+               for k, o in enumerate(outs) if k in used)
+    needs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [o.detach() for o in outs], torch.autograd.grad(loss, needs, allow_unused=True)
+
+
+GROUPS = {
+    # name: operand shapes (x, then weight and bias per Linear; None: no bias)
+    "SAGE layer 1 (W_l no bias, W_r with)": [(N, 32), (64, 32), None, (64, 32), (64,)],
+    # GAT's two score projections: narrow outputs, torch's g^T x orientation
+    "GAT scores": [(16 * N, 64), (4, 64), None, (4, 64), None],
+    "gated GCN (four, mixed widths)": [(N, 16), (64, 16), (64,), (32, 16), (32,), (8, 16), None,
+                                      (64, 16), (64,)],
+}
+
+
+@pytest.mark.parametrize("used", [(0, 1), (1,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", sorted(GROUPS))
+def test_linear_group_equals_separate_linears(case, dtype, used):
+    gen = torch.Generator().manual_seed(8)
+    inputs = [None if s is None else _leaves(gen, dtype, s)[0] for s in GROUPS[case]]
+    before = _requests()
+    outs, grads = _group_grads(_grouped, inputs, used)
+    assert _requests() > before  # the grouped Function ran (its blocks come from the cache)
+    ref_outs, ref_grads = _group_grads(_separate, inputs, used)
+    assert all(o.dtype == dtype and torch.equal(o, r) for o, r in zip(outs, ref_outs))
+    for got, want in zip(grads, ref_grads):  # x: one GEMM of the gradients side by side
+        assert (got is None) == (want is None)  # an unused output's weight gets no gradient
+        if want is not None:
+            assert got.shape == want.shape
+            _close(got, want)
+
+
+def test_linear_group_second_derivatives_match_torch():
+    gen = torch.Generator().manual_seed(9)
+    x, w1, w2, b2 = _leaves(gen, torch.float64, (N, 16), (32, 16), (48, 16), (48,))
+    results = []
+    for fn in (_grouped, _separate):
+        a, b = fn(x, w1, None, w2, b2)
+        loss = (torch.tanh(a) ** 2).sum() + (b ** 3).sum()
+        gx, gw1, gw2 = torch.autograd.grad(loss, (x, w1, w2), create_graph=True)
+        results.append(torch.autograd.grad((gx ** 2).sum() + gw1.sum() + (gw2 ** 2).sum(),
+                                           (x, w1, w2, b2)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("out_features", [64, 4])
+def test_linear_group_of_a_dropout_makes_it_again_once(out_features, monkeypatch):
+    _dropout, x, w, b = _dropped(torch.float32, rows=(N + 37) * 64 // out_features)
+    w1 = w[:out_features].detach().requires_grad_()
+    w2 = (w[:out_features] * 2).detach().requires_grad_()
+    b2 = b[:out_features].detach().requires_grad_()
+    monkeypatch.setattr(_dropout, "CHUNK_BYTES", x.shape[0] // 5 * 48 * x.element_size())
+    made = []
+    orig = _dropout.chunks
+    monkeypatch.setattr(_dropout, "chunks", lambda *a: made.append(1) or orig(*a))
+    h = _dropout.dropout(x, 0.5, 1234)
+    ref = h.detach().clone()
+    outs, grads = _group_grads(_grouped, [h, w1, None, w2, b2], (0, 1))
+    assert made == [1]  # one pass over the dropout made again, for both weight gradients
+    want_outs, want_grads = _group_grads(_separate, [ref, w1, None, w2, b2], (0, 1))
+    assert all(torch.equal(o, r) for o, r in zip(outs, want_outs))
+    for got, want in zip(grads, want_grads):
+        _close(got, want)
+
+
+def test_linear_group_calls_hooked_modules_and_checks_its_operands():
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(N, 32, generator=gen)
+    a, b = torch.nn.Linear(32, 64), torch.nn.Linear(32, 64, bias=False)
+    seen = []
+    b.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    before = _requests()
+    outs = _dense.linear_group(x, a, b)
+    assert seen == [(N, 64)] and _requests() == before  # each Linear on its own, hooks ran
+    assert torch.equal(outs[0], a(x)) and torch.equal(outs[1], x @ b.weight.t())
+    both = _dense.linear_group(x, (a.weight, a.bias), (b.weight, None))  # pairs: no hooks
+    assert torch.equal(both[0], outs[0]) and torch.equal(both[1], outs[1])
+    assert _requests() > before
+    with pytest.raises(TypeError, match=r"Linear 1 must be a torch.nn.Linear or a \(weight, bias\) pair"):
+        _dense.linear_group(x, a, b.weight)
+    with pytest.raises(ValueError, match="at least one Linear"):
+        _dense.linear_group(x)

@@ -121,10 +121,13 @@ def test_projections_are_lifted():
     for line in ("%lin: vertex[N, 12] f32 = lin(%h)",
                  "%view: vertex[N, 3, 4] f32 = %lin.view(-1, 3, 4)",
                  # the per-head dot products: one GEMM per side with the block-diagonal
-                 # [H, H*C] matrix of the attention weights (built once, on the parameters)
+                 # [H, H*C] matrix of the attention weights (built once, on the parameters),
+                 # both sides one group whose backward runs once (passes.group_linears)
                  "%mul: param[3, 12] f32 = %head_blocks.mul(%reshape)",
-                 "%linear: vertex[N, 3] f32 = torch.linear(%lin, %mul)",
-                 "%linear_1: vertex[N, 3] f32 = torch.linear(%lin, %mul_1)",
+                 "%linears: vertex = kernels._dense.linear_group(%lin, (%mul, None), "
+                 "(%mul_1, None))",
+                 "%linear: vertex[N, 3] f32 = getitem(%linears, 0)",
+                 "%linear_1: vertex[N, 3] f32 = getitem(%linears, 1)",
                  "%u_add_v: edge[E, 3] f32 = gsddmm[u_add_v](%linear, %linear_1)",
                  "%softmax: edge[E, 3] f32 = edge_softmax(%leaky_relu)",
                  "%acc: vertex[N, 3, 4] f32 = gspmm[u_mul_e, sum](%view, %unsqueeze)"):

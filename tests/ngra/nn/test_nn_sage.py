@@ -81,7 +81,9 @@ def test_pool_projection_is_lifted():
     prog = ngra.compile(layer, *layer.prepare(g, torch.randn(g.num_nodes, 6)))
     text = str(prog.ir)
     # relu(W_pool x_j + b) is written on e.src but runs once per vertex, then one max-gspmm.
-    assert "%lin: vertex[N, 6] f32 = lin(%h)" in text
+    # (W_pool x and W_r x read the same h: one group, passes.group_linears)
+    assert "%linears: vertex = kernels._dense.linear_group(%h, 'lin', 'lin_r')" in text
+    assert "%lin: vertex[N, 6] f32 = getitem(%linears, 0)" in text
     assert "%relu: vertex[N, 6] f32 = F.relu(%lin, inplace=False)" in text
     assert "%acc: vertex[N, 6] f32 = gspmm[copy_u, max](%relu)" in text
     assert not [n for n in prog.ir.nodes if n.domain == "edge"]
@@ -96,7 +98,9 @@ def test_mean_is_one_gspmm_at_the_narrower_width():
     layer = SAGEConv(6, 2)
     prog = ngra.compile(layer, *layer.prepare(g, torch.randn(g.num_nodes, 6)))
     text = str(prog.ir)
-    assert "%linear: vertex[N, 2] f32 = torch.linear(%h, %lin_l_weight)" in text
+    # W_l x and W_r x read the same h: one group (passes.group_linears), W_l x its first output
+    assert "linear_group(%h, (%lin_l_weight, None), (%lin_r_weight, %lin_l_bias))" in text
+    assert "%linear: vertex[N, 2] f32 = getitem(%linears, 0)" in text
     assert "%acc: vertex[N, 2] f32 = gspmm[copy_u, mean](%linear)" in text
     assert prog.ir.ops().count("gspmm") == 1
     assert not [n for n in prog.ir.nodes if n.domain == "edge"]
