@@ -90,12 +90,12 @@ def _ngra_runner(name, gd, weights):
 
     import ngra
     from characterize_models import build_ngra, needs_edge_type
-    from ngra.nn import GCNConv
+    from ngra.nn import GCNConv, GINConv
 
     model = build_ngra(name, gd["x"].shape[1], gd["num_classes"])
     model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=True)
     for m in model.modules():  # the SAGA stages are the compiled program's: GCN's one kernel has none
-        if isinstance(m, GCNConv):
+        if isinstance(m, (GCNConv, GINConv)):
             m.fuse = False
         if isinstance(m, ngra.VertexProgram):  # each Linear under its own stage, not one group
             m.group_linears = False

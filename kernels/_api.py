@@ -277,7 +277,8 @@ def gspmm_norm(csr, x, src_scale, dst_scale, self_weight=None, bias=None, backen
                                  + self_weight[v] src_scale[v] x[v]) + bias
 
     which is ``D_dst (A + diag(self_weight)) D_src x + bias``; with ``src_scale = dst_scale =
-    deg^-1/2`` and ``self_weight = 1`` it is GCN's ``D^-1/2 (A + I) D^-1/2 x + b``. The same
+    deg^-1/2`` and ``self_weight = 1`` it is GCN's ``D^-1/2 (A + I) D^-1/2 x + b``; without the
+    scales and ``self_weight = 1 + eps``, GIN's ``(1 + eps) x_v + sum_{u -> v} x_u``. The same
     value as ``gspmm(csr, "copy_u", "sum", u=src_scale * x)`` followed by the self-loop, scale
     and bias terms, without the three [N, F] tensors in between (and without theirs in
     backward: the gradient w.r.t. ``x`` is this op on the transposed graph with the two scales
@@ -287,7 +288,7 @@ def gspmm_norm(csr, x, src_scale, dst_scale, self_weight=None, bias=None, backen
         csr: :class:`kernels.CSR` (rows = destinations), square.
         x: [N, *f] vertex features.
         src_scale, dst_scale: [N] or [N, 1], constants (they get no gradient: a scale that
-            requires one is an error; compute such a model with gspmm).
+            requires one is an error; compute such a model with gspmm), or None for no scale.
         self_weight: [N] or [N, 1] constant, or None for no self term.
         bias: [*f] (may require grad), or None.
         backend: as for :func:`gspmm`; the numba backend runs one fused kernel, the others the
@@ -307,8 +308,6 @@ def gspmm_norm(csr, x, src_scale, dst_scale, self_weight=None, bias=None, backen
     for name, t in (("src_scale", src_scale), ("dst_scale", dst_scale),
                     ("self_weight", self_weight)):
         if t is None:
-            if name != "self_weight":
-                raise ValueError(f"gspmm_norm: {name} is required (a tensor [N] or [N, 1])")
             scales[name] = None
             continue
         check_tensor(name, t, n, "vertex", csr.device)
@@ -327,11 +326,13 @@ def gspmm_norm(csr, x, src_scale, dst_scale, self_weight=None, bias=None, backen
     mod = _backend.resolve(backend, csr.device, x.dtype)
     s, c, a = scales["src_scale"], scales["dst_scale"], scales["self_weight"]
     if not hasattr(mod, "spmm_norm"):  # the unfused ops, through autograd
-        sx = x * s.view((n,) + (1,) * (x.dim() - 1))
+        col = (n,) + (1,) * (x.dim() - 1)
+        sx = x if s is None else x * s.view(col)
         out = gspmm(csr, "copy_u", "sum", u=sx, backend=backend)
         if a is not None:
-            out = torch.addcmul(out, a.view((n,) + (1,) * (x.dim() - 1)), sx)
-        out = out * c.view((n,) + (1,) * (x.dim() - 1))
+            out = torch.addcmul(out, a.view(col), sx)
+        if c is not None:
+            out = out * c.view(col)
         return out + bias if bias is not None else out
     return _GSpMMNorm.apply(csr, mod, x, s, a, c, bias)
 

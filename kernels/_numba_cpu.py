@@ -276,8 +276,9 @@ def spmm_mul_grads(csr, g, u, e):
 
 def spmm_norm(csr, x, s, a, c, b):
     """``c * (gspmm(copy_u, sum, s * x) + a * s * x) + b`` in one pass (:func:`_spmm_norm`):
-    ``x`` [N, *f] on a square CSR, ``s`` [N, 1], ``a`` and ``c`` [N, 1] or None (no self term,
-    no destination scale), ``b`` [*f] or None, all of x's dtype (checked by the caller).
+    ``x`` [N, *f] on a square CSR, ``s``, ``a`` and ``c`` [N, 1] or None (no source scale, no
+    self term, no destination scale), ``b`` [*f] or None, all of x's dtype (checked by the
+    caller).
     Returns [N, *f]."""
     _check_dtype(x, s, a, c, b)
     parts, _, _, _ = _arrays(csr)
@@ -288,7 +289,7 @@ def spmm_norm(csr, x, s, a, c, b):
     bptr, bind, _ = _blocked(csr, nblk)
     none = np.zeros((0, 1), dtype=U.dtype)
     out = _CACHE.empty((csr.num_dst, lo), x.dtype)
-    _launch(_spmm_norm, parts, bptr, nblk, bind, U, _flat(s, csr.num_src),
+    _launch(_spmm_norm, parts, bptr, nblk, bind, U, none if s is None else _flat(s, csr.num_src),
             none if a is None else _flat(a, csr.num_src),
             none if c is None else _flat(c, csr.num_dst),
             none[:, 0] if b is None else b.detach().reshape(lo).contiguous().numpy(),

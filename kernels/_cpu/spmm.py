@@ -112,16 +112,18 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf):
     """``out[v] = C[v] * (sum_{k: u -> v} S[u] U[u] + A[v] (S[v] U[v])) + B``: a g-SpMM whose
     sources are scaled by ``S`` [N, 1] on the fly (each edge's row times its source's scale, in
     the register tiles of u_mul_e with the weight read through the source index instead of the
-    edge id), with the destination's own scaled row (weight ``A`` [N, 1], or none if ``A`` is
-    empty), the destination scale ``C`` [N, 1] (none if empty) and the bias ``B`` [F] (none if
-    empty) applied to each row after its last block pass, while it is in cache. The graph is
-    square (sources are destinations). Blocks as in :func:`_spmm_sum`; each row summed by one
-    thread in CSR order, the terms rounded as ``S[u] * U[u]`` first: a copy_u g-SpMM of the
-    pre-scaled rows gives the same sums."""
+    edge id; none if ``S`` is empty: the rows as they are, copy_u's tiles), with the
+    destination's own scaled row (weight ``A`` [N, 1], or none if ``A`` is empty), the
+    destination scale ``C`` [N, 1] (none if empty) and the bias ``B`` [F] (none if empty) applied
+    to each row after its last block pass, while it is in cache. The graph is square (sources
+    are destinations). Blocks as in :func:`_spmm_sum`; each row summed by one thread in CSR
+    order, the terms rounded as ``S[u] * U[u]`` first: a copy_u g-SpMM of the pre-scaled rows
+    gives the same sums."""
     lo = out.shape[1]
     lu = U.shape[1]
     uline = max(1, 64 // U.itemsize)
     nd = out.shape[0]
+    has_s = S.shape[0] > 0
     has_a = A.shape[0] > 0
     has_b = B.shape[0] > 0
     has_c = C.shape[0] > 0
@@ -130,22 +132,35 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf):
         for p in prange(parts.size - 1):
             r0 = parts[p]
             r1 = parts[p + 1]
-            _spmm_sum_part(r0, r1, base, blk == 0, False, bptr, bptr, indices, indices, U, S, out,
-                           MUL, M_BLOCK_E, lo, loff, roff, True, pf, lo, lu, 1, uline, None)
+            if has_s:
+                _spmm_sum_part(r0, r1, base, blk == 0, False, bptr, bptr, indices, indices, U, S,
+                               out, MUL, M_BLOCK_E, lo, loff, roff, True, pf, lo, lu, 1, uline,
+                               None)
+            else:
+                _spmm_sum_part(r0, r1, base, blk == 0, False, bptr, bptr, indices, indices, U, S,
+                               out, MUL, M_COPY_U, 0, loff, roff, True, pf, lo, lu, 1, uline, None)
             if blk == nblk - 1:
                 for v in range(r0, r1):
                     orow = out[v]
                     urow = U[v]
                     if has_a:
                         a = A[v, 0]
-                        s = S[v, 0]
-                        if has_c:
+                        if has_s:
+                            s = S[v, 0]
+                            if has_c:
+                                c = C[v, 0]
+                                for f in range(lo):
+                                    orow[f] = (orow[f] + a * (s * urow[f])) * c
+                            else:
+                                for f in range(lo):
+                                    orow[f] = orow[f] + a * (s * urow[f])
+                        elif has_c:
                             c = C[v, 0]
                             for f in range(lo):
-                                orow[f] = (orow[f] + a * (s * urow[f])) * c
+                                orow[f] = (orow[f] + a * urow[f]) * c
                         else:
                             for f in range(lo):
-                                orow[f] = orow[f] + a * (s * urow[f])
+                                orow[f] = orow[f] + a * urow[f]
                     elif has_c:
                         c = C[v, 0]
                         for f in range(lo):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._utils import Conv, check_bool, check_float
+from ..graph import Graph, _CSRGraph
+from ._utils import Conv, check_bool, check_features, check_float, check_graph
 
 __all__ = ["GINConv"]
 
@@ -26,9 +27,19 @@ class GINConv(Conv):
     + sum_j x_j) + b = (1 + eps) W x_i + sum_j W x_j + b``: the same value (up to rounding), with
     the g-SpMM moving ``out_features``-wide rows (on Coauthor CS 64 instead of 6805). The
     projection is written on ``e.src`` and lifted to the vertices, as SAGEConv's.
+
+    With ``fuse=True`` (the default) and a fixed ``eps``, an in-memory call on the CPU runs the
+    sum, the self term and the projection's bias as one ``kernels.gspmm_norm`` (no scales, self
+    weight ``1 + eps``), whose backward is the same kernel on the transposed graph: no [N, F]
+    tensors for ``(1 + eps) x_i``, the sum of the two and the bias in the forward, nor for the
+    gradient's two terms and their sum in backward. The same value up to rounding (the self
+    term's product may be fused into its add); the streaming engine, a distributed graph and
+    eager mode take the vertex program.
     """
 
     gather = "sum"
+    #: run the sum, self term and bias as one kernel where it applies (see the class docstring)
+    fuse: bool = True
 
     def __init__(self, nn: torch.nn.Module, *, eps: float = 0.0, train_eps: bool = False):
         super().__init__()
@@ -63,6 +74,55 @@ class GINConv(Conv):
                 return first
         return None
 
+    def forward(self, g: Graph, x: torch.Tensor):
+        if self._fusable(g, x):
+            return self._fused(g, x)
+        return self.propagate(*self.prepare(g, x))
+
+    # -- the fused path -----------------------------------------------------------------------
+    def _fusable(self, g, x) -> bool:
+        """Whether this call can run through ``kernels.gspmm_norm``: ``fuse`` set, ``eps`` fixed
+        (the kernel's weights get no gradient), an in-memory graph outside the streaming engine
+        and eager mode, float32/float64 features [N, F] on the CPU."""
+        if not (self.fuse and not self.eps.requires_grad and type(g) in (Graph, _CSRGraph)
+                and isinstance(x, torch.Tensor) and x.dim() == 2 and x.device.type == "cpu"
+                and x.dtype in (torch.float32, torch.float64) and self.eps.dtype == x.dtype):
+            return False
+        from ..engine import current_engine
+        from ..program import _EAGER
+        return not (self.eager or getattr(_EAGER, "on", False) or current_engine() is not None)
+
+    def _fused(self, g: Graph, x: torch.Tensor) -> torch.Tensor:
+        """The vertex program's value through ``kernels.gspmm_norm``: the projection first (when
+        ``nn`` starts with a narrowing Linear), then ``(1 + eps) h_i + sum_j h_j (+ b)`` in one
+        pass, then the rest of ``nn``. Timed as a Gather node by ``ngra.profile.stages()``."""
+        import kernels
+        from kernels import _dense
+
+        from .. import profile
+        from .gcn import _FUSED_NODE
+        where = type(self).__name__
+        check_graph(where, g)
+        check_features(where, x, g, None)
+        lin = self._first_linear
+        h = x if lin is None else _dense.linear(x, lin.weight)  # W x in the output cache
+        self_weight = (1 + self.eps).expand(g.num_nodes)
+        bias = None if lin is None else lin.bias
+
+        def run():
+            return kernels.gspmm_norm(g.in_csr(), h, None, None, self_weight, bias)
+
+        prof = profile.current()
+        z = run() if prof is None else profile.timed(prof, self, _FUSED_NODE, run)
+        if lin is None and not (type(self.nn) is torch.nn.Sequential
+                                and not _dense._hooked(self.nn)):
+            return self.nn(z)
+        for m in list(self.nn)[0 if lin is None else 1:]:
+            out = _dense.call("module", m, (z,), {})  # a Linear / ReLU in the output cache
+            z = m(z) if out is NotImplemented else out
+        return z
+
+    # -- the vertex program -------------------------------------------------------------------
     def apply_edge(self, e):
         lin = self._first_linear
         return e.src["h"] if lin is None else F.linear(e.src["h"], lin.weight)

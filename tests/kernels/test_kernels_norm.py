@@ -40,7 +40,7 @@ def _inputs(n, feat, dtype, seed):
 @pytest.mark.parametrize("graph", SQUARE, ids=SQUARE_IDS)
 @pytest.mark.parametrize("backend,nblk", [("numba", None), ("numba", 3), ("torch", None)])
 @pytest.mark.parametrize("feat", [(5,), (64,), (2, 3)])
-@pytest.mark.parametrize("terms", ["all", "no_self", "no_bias"])
+@pytest.mark.parametrize("terms", ["all", "no_self", "no_bias", "no_scales", "no_src_scale"])
 def test_matches_dense(monkeypatch, graph, backend, nblk, feat, terms):
     monkeypatch.setattr(_numba_cpu, "_FORCE_BLOCKS", nblk)
     n = graph[3]
@@ -50,8 +50,14 @@ def test_matches_dense(monkeypatch, graph, backend, nblk, feat, terms):
         a = None
     if terms == "no_bias":
         b = None
+    ones = torch.ones(n, dtype=dtype)
+    s_ref, c_ref = s, c
+    if terms in ("no_scales", "no_src_scale"):  # GIN's (1 + eps) x_v + sum_u x_u (+ b)
+        s, s_ref = None, ones
+    if terms == "no_scales":
+        c, c_ref = None, ones
     out = kernels.gspmm_norm(make_csr(graph), x, s, c, a, b, backend=backend)
-    ref = dense_norm(graph, x, s, c, a, b)
+    ref = dense_norm(graph, x, s_ref, c_ref, a, b)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     grad = rand(tuple(out.shape), dtype, 11)
     wrt = [x] + ([b] if b is not None else [])
@@ -75,6 +81,24 @@ def test_float32_same_bits_as_copy_u_of_scaled_rows(index_dtype):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("self_weight", [None, 1.5])
+def test_without_scales_same_bits_as_copy_u_then_the_self_term(self_weight):
+    """No scales (GIN's sum): the rows are summed as copy_u sums them, bit for bit, then the self
+    term ``a * x[v]`` and the bias added as torch.addcmul and + do (up to the rounding of the
+    product, which the kernel may fuse into the add)."""
+    graph = GRAPHS[GRAPH_IDS.index("random")]
+    csr = make_csr(graph)
+    n = graph[3]
+    x, _, _, _, b = (t.detach() for t in _inputs(n, (16,), torch.float32, 4))
+    a = None if self_weight is None else torch.full((n,), self_weight)
+    out = kernels.gspmm_norm(csr, x, None, None, a, b, backend="numba")
+    ref = kernels.gspmm(csr, "copy_u", "sum", u=x, backend="numba")
+    if a is not None:
+        ref = torch.addcmul(ref, a[:, None], x)
+    tol = 0 if a is None else 1e-6
+    torch.testing.assert_close(out, ref + b, rtol=tol, atol=tol)
+
+
 def test_float32_close_to_float64():
     graph = GRAPHS[GRAPH_IDS.index("random")]
     x, s, c, a, b = _inputs(graph[3], (8,), torch.float64, 5)
@@ -94,8 +118,6 @@ def test_errors():
         kernels.gspmm_norm(csr, x, s.clone().requires_grad_(), c)
     with pytest.raises(ValueError, match=r"one value per vertex"):
         kernels.gspmm_norm(csr, x, s, c.expand(n, 2))
-    with pytest.raises(ValueError, match="dst_scale is required"):
-        kernels.gspmm_norm(csr, x, s, None)
     with pytest.raises(ValueError, match=r"bias must be a tensor of shape \(4,\)"):
         kernels.gspmm_norm(csr, x, s, c, a, b[:3])
     with pytest.raises(TypeError, match="share one dtype"):

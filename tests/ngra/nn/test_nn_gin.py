@@ -113,3 +113,60 @@ def test_narrowing_fused_matches_unfused(graph):
     g = make_graph(graph)
     layer = GINConv(_narrowing_mlp(torch.float32), eps=-0.2, train_eps=True)
     assert_fused_matches_unfused(layer, *layer.prepare(g, torch.randn(g.num_nodes, 12)))
+
+
+# -- the one-kernel path (kernels.gspmm_norm: no scales, self weight 1 + eps, the bias) ----------
+def _ops_run(layer, g, x):
+    with ngra.profile.stages() as prof:
+        out = layer(g, x)
+    return out, [r.op for r in prof.records]
+
+
+@pytest.mark.parametrize("narrowing", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_kernel_path_matches_the_program(narrowing, dtype):
+    g = ngra.datasets.rmat(num_nodes=3000, num_edges=20000, seed=3)  # outputs of 1 MiB and more
+    fin = 12 if narrowing else 5
+    torch.manual_seed(0)
+    mlp = _narrowing_mlp(dtype) if narrowing else _mlp(dtype)
+    layer = GINConv(mlp, eps=0.25).to(dtype)
+    results = []
+    for fuse in (True, False):
+        layer.fuse = fuse
+        layer.zero_grad(set_to_none=True)
+        x = torch.randn(g.num_nodes, fin, dtype=dtype, generator=torch.Generator().manual_seed(1),
+                        requires_grad=True)
+        out, ops = _ops_run(layer, g, x)
+        assert ("gspmm_norm" in ops) == fuse and ("gspmm" in ops) != fuse
+        probe = torch.randn(out.shape, dtype=dtype, generator=torch.Generator().manual_seed(2))
+        (out * probe).sum().backward()
+        results.append((out.detach(), x.grad, {k: p.grad for k, p in layer.named_parameters()}))
+    (out_f, gx_f, gp_f), (out_u, gx_u, gp_u) = results
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out_f, out_u, **tol)
+    torch.testing.assert_close(gx_f, gx_u, **tol)
+    assert gp_f.keys() == gp_u.keys()
+    for k in gp_u:
+        torch.testing.assert_close(gp_f[k], gp_u[k], **tol)
+
+
+def test_one_kernel_path_only_where_it_applies():
+    g = make_graph("random")
+    x = torch.randn(g.num_nodes, 5)
+    assert "gspmm_norm" in _ops_run(GINConv(_mlp(torch.float32)), g, x)[1]
+    learned = GINConv(_mlp(torch.float32), train_eps=True)  # eps needs its gradient
+    assert not learned._fusable(g, x)
+    assert "gspmm_norm" not in _ops_run(learned, g, x)[1]
+    with ngra.Engine(num_chunks=2):  # streamed: the vertex program
+        assert "gspmm_norm" not in _ops_run(GINConv(_mlp(torch.float32)), g, x)[1]
+    with ngra.eager():
+        assert "gspmm_norm" not in _ops_run(GINConv(_mlp(torch.float32)), g, x)[1]
+
+
+def test_one_kernel_path_runs_hooks_of_the_mlp():
+    g = make_graph("random")
+    layer = GINConv(_mlp(torch.float32))
+    seen = []
+    layer.nn[2].register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    out = layer(g, torch.randn(g.num_nodes, 5))
+    assert seen == [tuple(out.shape)]
