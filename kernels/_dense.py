@@ -37,7 +37,7 @@ from . import _dropout
 from ._outcache import CACHE as _CACHE
 from ._outcache import MIN_BYTES
 
-__all__ = ["call", "linear", "linear_group", "relu", "leaky_relu", "addcmul", "add", "mul"]
+__all__ = ["call", "call_module", "linear", "linear_group", "relu", "leaky_relu", "addcmul", "add", "mul"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -96,10 +96,7 @@ class _Linear(torch.autograd.Function):
         keep = ctx.remat[0] if ctx.remat is not None else x
         ctx.save_for_backward(keep if need[1] else None, weight if need[0] else None)
         ctx.has_bias = bias is not None
-        shape = (x.shape[0], weight.shape[0])
-        if bias is None:  # F.linear's kernels for a 2-D input: mm, or addmm with a bias
-            return _out(torch.mm, shape, x.dtype, x, weight.t())
-        return _out(torch.addmm, shape, x.dtype, bias, x, weight.t())
+        return _gemm(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
@@ -117,6 +114,24 @@ class _Linear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.sum(0)
         return gx, gw, gb
+
+
+def _gemm(x, weight, bias):
+    """``F.linear(x, weight, bias)`` for a 2-D ``x`` with F.linear's kernels (mm, or addmm with a
+    bias), into a cached block."""
+    shape = (x.shape[0], weight.shape[0])
+    if bias is None:
+        return _out(torch.mm, shape, x.dtype, x, weight.t())
+    return _out(torch.addmm, shape, x.dtype, bias, x, weight.t())
+
+
+def _linear_form(x, weight, bias) -> bool:
+    """Whether ``F.linear(x, weight, bias)`` has the form the cached Linears take: tensors, a 2-D
+    ``x`` and ``weight`` of matching width, no bias or a 1-D one."""
+    return (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and (bias is None or isinstance(bias, torch.Tensor))
+            and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+            and (bias is None or bias.dim() == 1))
 
 
 def _weight_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -167,9 +182,7 @@ def _weight_grads_dropped(x: torch.Tensor, p: float, seed: int, rows, gs) -> lis
 
 def _linear(x, weight, bias=None):
     operands = (x, weight) if bias is None else (x, weight, bias)
-    if (all(isinstance(t, torch.Tensor) for t in operands) and x.dim() == 2 and weight.dim() == 2
-            and (bias is None or bias.dim() == 1) and x.shape[1] == weight.shape[1]
-            and usable((x.shape[0], weight.shape[0]), *operands)):
+    if _linear_form(x, weight, bias) and usable((x.shape[0], weight.shape[0]), *operands):
         return _Linear.apply(x, weight, bias)
     return NotImplemented
 
@@ -201,12 +214,7 @@ class _LinearGroup(torch.autograd.Function):
         ctx.save_for_backward(keep if need_w else None, *(ws if need[0] else ()))
         ctx.has_bias = tuple(b is not None for b in bs)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
-        outs = []
-        for w, b in zip(ws, bs):
-            shape = (x.shape[0], w.shape[0])
-            outs.append(_out(torch.mm, shape, x.dtype, x, w.t()) if b is None
-                        else _out(torch.addmm, shape, x.dtype, b, x, w.t()))
-        return tuple(outs)
+        return tuple(_gemm(x, w, b) for w, b in zip(ws, bs))
 
     @staticmethod
     def backward(ctx, *gs):
@@ -275,9 +283,7 @@ def linear_group(x: torch.Tensor, *linears) -> tuple:
     operands = [x, *ws, *(b for b in bs if b is not None)]
     if (not any(isinstance(m, torch.nn.Module) and (type(m) is not torch.nn.Linear or _hooked(m))
                 for m in linears)
-            and all(isinstance(t, torch.Tensor) for t in operands) and x.dim() == 2
-            and all(w.dim() == 2 and w.shape[1] == x.shape[1] for w in ws)
-            and all(b is None or (b.dim() == 1 and b.shape[0] == w.shape[0])
+            and all(_linear_form(x, w, b) and (b is None or b.shape[0] == w.shape[0])
                     for w, b in zip(ws, bs))
             and usable((x.shape[0], sum(w.shape[0] for w in ws)), *operands)):
         return _LinearGroup.apply(x, *wb)
@@ -474,3 +480,10 @@ def call(kind: str, target, args: tuple, kwargs: dict):
     if kwargs or len(args) < required:  # a keyword after a gap: torch's own call sorts it out
         return NotImplemented
     return fn(*args)
+
+
+def call_module(module: torch.nn.Module, *args, **kwargs):
+    """``module(*args, **kwargs)``, through this module's cached form where :func:`call` has one
+    (a plain Linear, ReLU or LeakyReLU without hooks)."""
+    out = call("module", module, args, kwargs)
+    return module(*args, **kwargs) if out is NotImplemented else out

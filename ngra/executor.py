@@ -350,9 +350,7 @@ class Interpreter:
         return n.value
 
     def call_module(self, n: Node, args, kwargs):
-        module = self.layer.get_submodule(n.target)
-        out = _dense.call("module", module, args, kwargs)
-        return module(*args, **kwargs) if out is NotImplemented else out
+        return _dense.call_module(self.layer.get_submodule(n.target), *args, **kwargs)
 
     def call_function(self, n: Node, args, kwargs):
         if n.target is _dense.linear_group:  # ngra.passes.group_linears: modules by their path

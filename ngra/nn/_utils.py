@@ -106,6 +106,38 @@ def glorot_(t: torch.Tensor) -> torch.Tensor:
         return t.uniform_(-bound, bound)
 
 
+# -- the one-kernel paths of GCNConv and GINConv (kernels.gspmm_norm) ------------------------------
+def one_kernel_applies(layer, g, x) -> bool:
+    """Whether a layer's one-kernel path may take this call (the layer checks its own options
+    besides): an in-memory graph (not a worker's piece), float32/float64 features [N, F] on the
+    CPU, outside the streaming engine and eager mode."""
+    from ..graph import _CSRGraph
+    if not (type(g) in (Graph, _CSRGraph) and isinstance(x, torch.Tensor) and x.dim() == 2
+            and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)):
+        return False
+    from ..engine import current_engine
+    from ..program import _EAGER
+    return not (layer.eager or getattr(_EAGER, "on", False) or current_engine() is not None)
+
+
+class _OneKernelNode:
+    """What ``ngra.profile`` records for a one-kernel path (an IR node's fields)."""
+    name = op = "gspmm_norm"
+    stage = "Gather"
+    domain = "vertex"
+
+
+_ONE_KERNEL_NODE = _OneKernelNode()
+
+
+def run_one_kernel(layer, run):
+    """``run()``, timed as a Gather node ``gspmm_norm`` of ``layer`` by ``ngra.profile.stages()``
+    when a profile is open."""
+    from .. import profile
+    prof = profile.current()
+    return run() if prof is None else profile.timed(prof, layer, _ONE_KERNEL_NODE, run)
+
+
 class _Derived:
     """``graph``, derived from ``source`` (held, so that its id names no other graph)."""
 

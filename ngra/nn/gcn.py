@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..graph import Graph, _CSRGraph
+from ..graph import Graph
 from ._utils import Conv, check_bool, check_edge_weight, check_features, check_graph, check_int, \
-    glorot_, inv_or_zero
+    glorot_, inv_or_zero, one_kernel_applies, run_one_kernel
 
 __all__ = ["GCNConv"]
 
@@ -110,13 +110,7 @@ class GCNConv(Conv):
         outside the streaming engine and eager mode, float32/float64 features [N, F] on the
         CPU."""
         if not (self.fuse and self.normalize and edge_weight is None
-                and type(g) in (Graph, _CSRGraph)
-                and isinstance(x, torch.Tensor) and x.dim() == 2 and x.device.type == "cpu"
-                and x.dtype in (torch.float32, torch.float64)):
-            return False
-        from ..engine import current_engine
-        from ..program import _EAGER
-        if self.eager or getattr(_EAGER, "on", False) or current_engine() is not None:
+                and one_kernel_applies(self, g, x)):
             return False
         return g.self_loop_edges().numel() == 0
 
@@ -129,7 +123,6 @@ class GCNConv(Conv):
         import kernels
         from kernels import _dense
 
-        from .. import profile
         where = type(self).__name__
         check_graph(where, g)
         check_features(where, x, g, self.in_channels)
@@ -139,15 +132,10 @@ class GCNConv(Conv):
             deg = deg + 1
             loop = torch.ones(g.num_nodes, dtype=x.dtype)
         dinv = inv_or_zero(deg, 0.5)
-        h = _dense.call("module", self.lin, (x,), {})  # W x in the kernels' output cache
-        if h is NotImplemented:
-            h = self.lin(x)
+        h = _dense.call_module(self.lin, x)  # W x in the kernels' output cache
 
-        def run():
-            return kernels.gspmm_norm(g.in_csr(), h, dinv, dinv, loop, self.bias)
-
-        prof = profile.current()
-        return run() if prof is None else profile.timed(prof, self, _FUSED_NODE, run)
+        return run_one_kernel(self, lambda: kernels.gspmm_norm(g.in_csr(), h, dinv, dinv, loop,
+                                                               self.bias))
 
     # -- the vertex program -------------------------------------------------------------------
     def _source(self, v):
@@ -169,13 +157,3 @@ class GCNConv(Conv):
             return torch.addcmul(self.bias, out, v.data["dinv"]) if self.bias is not None \
                 else out * v.data["dinv"]
         return out + self.bias if self.bias is not None else out
-
-
-class _FusedNode:
-    """What ``ngra.profile`` records for the fused path (an IR node's fields)."""
-    name = op = "gspmm_norm"
-    stage = "Gather"
-    domain = "vertex"
-
-
-_FUSED_NODE = _FusedNode()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..graph import Graph, _CSRGraph
-from ._utils import Conv, check_bool, check_features, check_float, check_graph
+from ..graph import Graph
+from ._utils import Conv, check_bool, check_features, check_float, check_graph, \
+    one_kernel_applies, run_one_kernel
 
 __all__ = ["GINConv"]
 
@@ -84,13 +85,8 @@ class GINConv(Conv):
         """Whether this call can run through ``kernels.gspmm_norm``: ``fuse`` set, ``eps`` fixed
         (the kernel's weights get no gradient), an in-memory graph outside the streaming engine
         and eager mode, float32/float64 features [N, F] on the CPU."""
-        if not (self.fuse and not self.eps.requires_grad and type(g) in (Graph, _CSRGraph)
-                and isinstance(x, torch.Tensor) and x.dim() == 2 and x.device.type == "cpu"
-                and x.dtype in (torch.float32, torch.float64) and self.eps.dtype == x.dtype):
-            return False
-        from ..engine import current_engine
-        from ..program import _EAGER
-        return not (self.eager or getattr(_EAGER, "on", False) or current_engine() is not None)
+        return (self.fuse and not self.eps.requires_grad and one_kernel_applies(self, g, x)
+                and self.eps.dtype == x.dtype)
 
     def _fused(self, g: Graph, x: torch.Tensor) -> torch.Tensor:
         """The vertex program's value through ``kernels.gspmm_norm``: the projection first (when
@@ -99,8 +95,6 @@ class GINConv(Conv):
         import kernels
         from kernels import _dense
 
-        from .. import profile
-        from .gcn import _FUSED_NODE
         where = type(self).__name__
         check_graph(where, g)
         check_features(where, x, g, None)
@@ -109,17 +103,13 @@ class GINConv(Conv):
         self_weight = (1 + self.eps).expand(g.num_nodes)
         bias = None if lin is None else lin.bias
 
-        def run():
-            return kernels.gspmm_norm(g.in_csr(), h, None, None, self_weight, bias)
-
-        prof = profile.current()
-        z = run() if prof is None else profile.timed(prof, self, _FUSED_NODE, run)
+        z = run_one_kernel(self, lambda: kernels.gspmm_norm(g.in_csr(), h, None, None, self_weight,
+                                                            bias))
         if lin is None and not (type(self.nn) is torch.nn.Sequential
                                 and not _dense._hooked(self.nn)):
             return self.nn(z)
         for m in list(self.nn)[0 if lin is None else 1:]:
-            out = _dense.call("module", m, (z,), {})  # a Linear / ReLU in the output cache
-            z = m(z) if out is NotImplemented else out
+            z = _dense.call_module(m, z)  # a Linear / ReLU in the output cache
         return z
 
     # -- the vertex program -------------------------------------------------------------------
