@@ -1,8 +1,8 @@
 #!/bin/bash
 # The GPU checks of ngra in one run, for a machine with a CUDA GPU, torch, numba and numba-cuda:
-# the CUDA tests on CUDA tensors, GCN and GAT training on cuda against cpu, and the kernel
-# benchmark against torch's CUDA ops and PyG. Nothing needs to be installed: the checkout goes on
-# PYTHONPATH. Logs, CSV and plot land in OUT (default results/gpu_check).
+# the CUDA tests on CUDA tensors, GCN and GAT training on cuda against cpu, the host time per
+# kernel call, and the kernel benchmark against torch's CUDA ops and PyG. Nothing needs to be
+# installed: the checkout goes on PYTHONPATH. Logs, CSV and plot land in OUT (default results/gpu_check).
 #
 #   bash benchmarks/gpu_check.sh [OUT] [DATA_DIR]     # DATA_DIR: the datasets (../shared/datasets)
 #
@@ -47,6 +47,9 @@ for model in gcn gat; do
             --device $device --epochs 50 --seed 0 --no-progress 2>&1 | tail -1
     done
 done
+
+echo "== host time per kernel call, numba's launch against the direct one"
+timeout 300 "$PY" benchmarks/cuda_launch.py --out "$OUT" 2>&1 | grep -v -i warn | tail -6
 
 echo "== kernels (log: $OUT/kernels_cuda.log)"
 timeout 900 "$PY" benchmarks/kernels_cuda.py --feats 16,64 --heads 1,4 --out "$OUT" \

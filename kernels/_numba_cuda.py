@@ -29,7 +29,10 @@ cached kernel against this file only: after editing ``kernels/_scalar.py``, remo
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import warnings
 
 import numpy as np
 import torch
@@ -427,8 +430,8 @@ def _softmax_bwd_edges(edst, Y, G, T, GS):
 # host side
 
 def _dev(t):
-    """A tensor as a kernel argument: a CUDA array view (zero-copy) or, under the simulator for
-    CPU tensors, a numpy view."""
+    """A tensor as numba's kernel argument: a CUDA array view (zero-copy) or, under the simulator
+    for CPU tensors, a numpy view."""
     t = t.detach()
     if t.device.type == "cuda":
         return cuda.as_cuda_array(t)
@@ -452,14 +455,127 @@ def _block():
 
 
 def _run(kernel, grid, device, args):
+    """Launches ``kernel`` over ``grid`` blocks on torch's current stream. ``args`` holds torch
+    tensors and scalars; a GPU launch goes through :func:`_direct` where it can."""
     block = _block()
     grid = max(1, min(grid, _MAX_GRID if not simulated() else 2))
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
-            kernel[grid, block, stream](*args)
-    else:
-        kernel[grid, block](*args)
+    if device.type != "cuda":
+        kernel[grid, block](*[_dev(a) if isinstance(a, torch.Tensor) else a for a in args])
+        return
+    with torch.cuda.device(device):
+        handle = torch.cuda.current_stream(device).cuda_stream
+        key = (kernel, device.index, tuple(
+            (a.dtype, a.dim()) if isinstance(a, torch.Tensor) else type(a) for a in args))
+        plan = _PLANS.get(key, _NO_PLAN)
+        if (direct_launch and plan is not None and plan is not _NO_PLAN
+                and _direct(plan, grid, block, handle, args)):
+            return
+        devargs = [_dev(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with warnings.catch_warnings():
+            # numba-cuda warns of every grid under 128 blocks; a small graph's kernels are small
+            warnings.filterwarnings("ignore", message=r".*Grid size \d+ will likely result in GPU")
+            kernel[grid, block, cuda.external_stream(handle)](*devargs)
+        if plan is _NO_PLAN:
+            _PLANS[key] = _plan(kernel, devargs)
+
+
+# Direct launches. numba-cuda's own launch path (``kernel[grid, block, stream](*args)``) costs
+# ~70 us of host time per kernel with prepared device arrays, and ~14 us more for each torch
+# tensor made a CUDA array first (a 2K-vertex graph's g-SpMM: ~450 us forward against torch's
+# index_add_ at ~45 us; NVIDIA/numba-cuda#98): it types every argument, builds a launch
+# configuration and marshals each argument anew on every call. After a kernel's first launch
+# through numba (which compiles it), :func:`_plan` keeps what that launch found for the same
+# argument types -- the compiled function and one converter per argument, as numba-cuda's
+# ``_Kernel._prepare_args`` does it -- and later calls hand torch's pointers, shapes and strides
+# straight to ``cuda.core.launch``. It needs numba-cuda on cuda.core (0.2x and later); anything
+# else, a non-contiguous tensor, or ``NGRA_CUDA_LAUNCH=numba`` (``direct_launch = False``) keeps
+# numba's own path.
+direct_launch = os.environ.get("NGRA_CUDA_LAUNCH", "direct") != "numba"
+_NO_PLAN = object()
+_PLANS: dict = {}  # (kernel, device index, argument kinds) -> (function, converters) or None
+_API: list = []  # cuda.core's (launch, LaunchConfig, Stream), or [None] where not available
+_STREAMS: dict = {}  # torch stream handle -> cuda.core Stream (non-owning)
+_CONFIGS: dict = {}  # (grid, block) -> cuda.core LaunchConfig
+
+
+def _array_arg(t, out):
+    # numba-cuda's array argument: meminfo, parent, size, itemsize, data, shape, strides (bytes)
+    size = t.element_size()
+    out += (0, 0, t.numel(), size, t.data_ptr(), *t.shape, *(s * size for s in t.stride()))
+
+
+def _plain_arg(v, out):
+    out.append(v)
+
+
+def _scalar_arg(ctype):
+    return lambda v, out: out.append(ctype(v))
+
+
+_SCALARS = {"bool": _plain_arg, "float32": _scalar_arg(ctypes.c_float),
+            "float64": _scalar_arg(ctypes.c_double), "int64": _scalar_arg(ctypes.c_int64),
+            "int32": _scalar_arg(ctypes.c_int32), "uint64": _scalar_arg(ctypes.c_uint64)}
+
+
+def _launch_api():
+    if not _API:
+        try:
+            from cuda.core import LaunchConfig, Stream, launch
+            _API.append((launch, LaunchConfig, Stream))
+        except ImportError:
+            _API.append(None)
+    return _API[0]
+
+
+def _plan(kernel, devargs):
+    """The compiled function and argument converters of ``kernel`` for the argument types of
+    ``devargs`` (just launched through numba), or None where a direct launch does not apply."""
+    if _launch_api() is None or getattr(kernel, "_launch_config_sensitive", True):
+        return None
+    try:
+        compiled = kernel.overloads.get(tuple(kernel.typeof_pyval(a) for a in devargs))
+        if (compiled is None or getattr(compiled, "extensions", None)
+                or getattr(compiled, "debug", True) or getattr(compiled, "cooperative", True)
+                or getattr(compiled, "launch_config_sensitive", False)):
+            return None
+        converters = []
+        for ty in compiled.argument_types:
+            if type(ty).__name__ == "Array":
+                if ty.layout != "C":
+                    return None
+                converters.append(_array_arg)
+            elif str(ty) in _SCALARS:
+                converters.append(_SCALARS[str(ty)])
+            else:
+                return None
+        function = compiled._codelibrary.get_cufunc().kernel
+    except (AttributeError, KeyError, TypeError):  # another numba-cuda's internals
+        return None
+    return function, tuple(converters)
+
+
+def _direct(plan, grid, block, handle, args):
+    """Launches a planned kernel through cuda.core; False (nothing launched) where it cannot."""
+    function, converters = plan
+    params = []
+    for conv, a in zip(converters, args):
+        if conv is _array_arg and not a.is_contiguous():
+            return False
+        conv(a, params)
+    launch, LaunchConfig, Stream = _API[0]
+    stream = _STREAMS.get(handle)
+    if stream is None:
+        if len(_STREAMS) > 64:
+            _STREAMS.clear()
+        stream = _STREAMS[handle] = Stream.from_handle(handle)
+    config = _CONFIGS.get((grid, block))
+    if config is None:
+        if len(_CONFIGS) > 4096:
+            _CONFIGS.clear()
+        config = _CONFIGS[(grid, block)] = LaunchConfig(grid=(grid, 1, 1), block=(block, 1, 1),
+                                                         shmem_size=0)
+    launch(stream, config, function, *params)
+    return True
 
 
 def _launch_groups(kernel, items, g, device, *args):
@@ -487,7 +603,7 @@ def _check_dtype(*xs):
 
 
 class _Graph:
-    """Device views of one CSR and its row segments, built once per CSR (and per
+    """One CSR's arrays and its row segments on the device, built once per CSR (and per
     ``_SEG_EDGES``)."""
 
     def __init__(self, csr):
@@ -518,11 +634,9 @@ class _Graph:
             # Built on this call's stream; a later call may run on another stream, which must
             # not start reading these before they are written. Once per CSR.
             torch.cuda.current_stream(dev).synchronize()
-        # the torch tensors stay referenced here: the device views do not own their memory
-        self._keep = (segs, hrows, hptr, dst_ids)
-        self.indptr, self.indices, self.eids = _dev(indptr), _dev(csr.indices), _dev(csr.eids)
-        self.dst_ids = _dev(dst_ids)
-        self.segs, self.hrows, self.hptr = _dev(segs), _dev(hrows), _dev(hptr)
+        self.indptr, self.indices, self.eids = indptr, csr.indices, csr.eids
+        self.dst_ids = dst_ids
+        self.segs, self.hrows, self.hptr = segs, hrows, hptr
 
     def scratch(self, lo, dtype, device):
         """[num_slots, lo] partial results of split rows (a 1-row stand-in when none)."""
@@ -549,11 +663,11 @@ def _offsets(binop, fl, fr, fo, device):
         tens = (torch.from_numpy(loff).to(device), torch.from_numpy(roff).to(device))
         if device.type == "cuda":  # as in _Graph: later calls may run on other streams
             torch.cuda.current_stream(device).synchronize()
-        hit = (tens, _dev(tens[0]), _dev(tens[1]), red)
+        hit = (tens[0], tens[1], red)
         if len(_OFFSETS) > 256:  # a long-running process with many shapes: keep it bounded
             _OFFSETS.clear()
         _OFFSETS[key] = hit
-    return hit[1], hit[2], hit[3]
+    return hit
 
 
 def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
@@ -579,12 +693,12 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
         return out.reshape((csr.num_dst,) + fo), arg
     if reduce in ("sum", "mean"):
         part = gr.scratch(lo, dtype, dev)
-        _launch_groups(_spmm_sum, gr.num_segs, g, dev, gr.segs, gr.indices, gr.eids, _dev(U),
-                       _dev(W), _dev(out), _dev(part), _CODE[binop], loff, roff,
+        _launch_groups(_spmm_sum, gr.num_segs, g, dev, gr.segs, gr.indices, gr.eids, U,
+                       W, out, part, _CODE[binop], loff, roff,
                        reduce == "mean", _zero(dtype), g)
         if gr.num_split:
             _launch_flat(_merge_sum, gr.num_split * lo, dev, gr.hrows, gr.hptr, gr.indptr,
-                         _dev(part), _dev(out), reduce == "mean", _zero(dtype))
+                         part, out, reduce == "mean", _zero(dtype))
     else:
         arg = torch.empty((csr.num_dst, lo) if need_arg else (1, 1), dtype=torch.int64,
                           device=dev)
@@ -592,11 +706,11 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
         parg = torch.empty(pbest.shape, dtype=torch.int64, device=dev)
         is_max = reduce == "max"
         _launch_groups(_spmm_maxmin, gr.num_segs, g, dev, gr.segs, gr.indices, gr.eids,
-                       _dev(U), _dev(W), _dev(out), _dev(arg), _dev(pbest), _dev(parg),
+                       U, W, out, arg, pbest, parg,
                        _CODE[binop], loff, roff, is_max, need_arg, _zero(dtype), g)
         if gr.num_split:
-            _launch_flat(_merge_maxmin, gr.num_split * lo, dev, gr.hrows, gr.hptr, _dev(pbest),
-                         _dev(parg), _dev(out), _dev(arg), is_max, need_arg)
+            _launch_flat(_merge_maxmin, gr.num_split * lo, dev, gr.hrows, gr.hptr, pbest,
+                         parg, out, arg, is_max, need_arg)
         arg = arg.reshape((csr.num_dst,) + fo) if need_arg else None
     return out.reshape((csr.num_dst,) + fo), arg
 
@@ -625,17 +739,17 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
             part = t.scratch(lo, g.dtype, dev)
             grp = _group(lo)
             _launch_groups(_maxmin_grad_u, t.num_segs, grp, dev, t.segs, t.indices, t.eids,
-                           _dev(A), _dev(G), _dev(W), _dev(gu), _dev(part), op, roff,
+                           A, G, W, gu, part, op, roff,
                            _zero(g.dtype), grp)
             if t.num_split:
                 _launch_flat(_merge_sum, t.num_split * lo, dev, t.hrows, t.hptr, t.indptr,
-                             _dev(part), _dev(gu), False, _zero(g.dtype))
+                             part, gu, False, _zero(g.dtype))
         gu = reduce_to(gu.reshape((csr.num_src,) + fo), fu)
     if need_rhs:
         src, _ = csr.coo()
         ge = torch.zeros((csr.num_edges, lo), dtype=g.dtype, device=dev)
-        _launch_flat(_maxmin_grad_e, csr.num_dst * lo, dev, _dev(A), _dev(src), _dev(G),
-                     _dev(U), _dev(W), _dev(ge), op, loff, roff)
+        _launch_flat(_maxmin_grad_e, csr.num_dst * lo, dev, A, src, G,
+                     U, W, ge, op, loff, roff)
         ge = reduce_to(ge.reshape((csr.num_edges,) + fo), fe)
     return gu, ge
 
@@ -656,8 +770,8 @@ def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
     loff, roff, red = _offsets(binop, fl, fr, fo, dev)
     lo = math.prod(fo)
     out = torch.empty((csr.num_edges, lo), dtype=lhs.dtype, device=dev)
-    common = (gr.dst_ids, gr.indices, gr.eids, _dev(L), _TARGET[lhs_target], _dev(R),
-              _TARGET[rhs_target], _dev(out))
+    common = (gr.dst_ids, gr.indices, gr.eids, L, _TARGET[lhs_target], R,
+              _TARGET[rhs_target], out)
     if binop == "dot":
         grp = _group(red)
         _launch_groups(_sddmm_dot, csr.num_edges * lo, grp, dev, *common, loff, roff, red,
@@ -680,13 +794,13 @@ def edge_softmax(csr, scores):
         pm, pz = gr.scratch(F, S.dtype, dev), gr.scratch(F, S.dtype, dev)
         grp = _group(F)
         zero = _zero(S.dtype)
-        _launch_groups(_softmax_rows, gr.num_segs, grp, dev, gr.segs, gr.eids, _dev(S), _dev(M),
-                       _dev(Z), _dev(pm), _dev(pz), zero, grp)
+        _launch_groups(_softmax_rows, gr.num_segs, grp, dev, gr.segs, gr.eids, S, M,
+                       Z, pm, pz, zero, grp)
         if gr.num_split:
-            _launch_flat(_softmax_merge, gr.num_split * F, dev, gr.hrows, gr.hptr, _dev(pm),
-                         _dev(pz), _dev(M), _dev(Z), zero)
-        _launch_flat(_softmax_edges, csr.num_edges * F, dev, _dev(csr.coo()[1]), _dev(S), _dev(M),
-                     _dev(Z), _dev(Y))
+            _launch_flat(_softmax_merge, gr.num_split * F, dev, gr.hrows, gr.hptr, pm,
+                         pz, M, Z, zero)
+        _launch_flat(_softmax_edges, csr.num_edges * F, dev, csr.coo()[1], S, M,
+                     Z, Y)
     return Y.reshape(scores.shape)
 
 
@@ -702,11 +816,11 @@ def edge_softmax_backward(csr, y, grad_y):
         part = gr.scratch(F, Y.dtype, dev)
         grp = _group(F)
         zero = _zero(Y.dtype)
-        _launch_groups(_softmax_bwd_rows, gr.num_segs, grp, dev, gr.segs, gr.eids, _dev(Y),
-                       _dev(G), _dev(T), _dev(part), zero, grp)
+        _launch_groups(_softmax_bwd_rows, gr.num_segs, grp, dev, gr.segs, gr.eids, Y,
+                       G, T, part, zero, grp)
         if gr.num_split:
             _launch_flat(_merge_sum, gr.num_split * F, dev, gr.hrows, gr.hptr, gr.indptr,
-                         _dev(part), _dev(T), False, zero)
-        _launch_flat(_softmax_bwd_edges, csr.num_edges * F, dev, _dev(csr.coo()[1]), _dev(Y),
-                     _dev(G), _dev(T), _dev(GS))
+                         part, T, False, zero)
+        _launch_flat(_softmax_bwd_edges, csr.num_edges * F, dev, csr.coo()[1], Y,
+                     G, T, GS)
     return GS.reshape(y.shape)

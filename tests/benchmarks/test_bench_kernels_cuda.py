@@ -75,3 +75,20 @@ def test_gpu_check_script_stops_clearly_without_a_gpu(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env=dict(os.environ, PYTHON=sys.executable))
     assert res.returncode == 2 and "torch sees no GPU" in res.stderr, res.stderr[-1000:]
+
+
+@pytest.mark.slow
+def test_cuda_launch_benchmark_tiny_in_simulator(tmp_path):
+    """benchmarks/cuda_launch.py runs every case in both launch variants and writes its CSV; in
+    the simulator it says that no direct launch happened (there is none there)."""
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cuda_launch.py"), "--tiny", "--out",
+         str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "CUDA SIMULATOR" in res.stdout and "no direct launch happened" in res.stdout
+    rows = list(csv.DictReader(open(tmp_path / "cuda_launch.csv")))
+    assert [r["case"] for r in rows] == ["gspmm copy_u/sum fwd", "gspmm copy_u/sum fwd+bwd",
+                                         "gsddmm u_dot_v fwd", "edge_softmax fwd+bwd"]
+    for r in rows:
+        assert min(float(r[k]) for k in ("numba_launch_us", "direct_launch_us", "torch_us")) > 0

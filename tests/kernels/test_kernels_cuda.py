@@ -182,6 +182,67 @@ def test_runs_on_the_gpu_on_torchs_current_stream():
     _match_torch(fn, [u], torch.randn_like(ref))
 
 
+def test_direct_launch_arguments_are_numbas_layout():
+    """A direct launch hands each array as numba-cuda's kernels take it (meminfo, parent, size,
+    itemsize, data pointer, shape, strides in bytes) and scalars as numba types them."""
+    t = torch.zeros(2, 3, dtype=torch.float64)
+    out = []
+    _numba_cuda._array_arg(t, out)
+    assert out == [0, 0, 6, 8, t.data_ptr(), 2, 3, 24, 8]
+    out = []
+    _numba_cuda._SCALARS["float32"](0.5, out)
+    _numba_cuda._SCALARS["int64"](3, out)
+    _numba_cuda._SCALARS["bool"](True, out)
+    assert [type(v).__name__ for v in out] == ["c_float", "c_long", "bool"]
+    assert [getattr(v, "value", v) for v in out] == [0.5, 3, True]
+
+
+@needs_gpu
+def test_direct_launches_match_numbas_own(monkeypatch):
+    """After a kernel's first launch through numba, later launches of the same argument types
+    go straight to cuda.core (see _numba_cuda._direct); every op gives bitwise the result of
+    numba's own launch path, forward and backward."""
+    csr = _power_law(3000, 300_000, 8, "cuda")
+    gen = torch.Generator().manual_seed(8)
+    u = torch.randn(csr.num_src, 4, 6, generator=gen, dtype=torch.float64).to("cuda")
+    w = torch.rand(csr.num_edges, 4, 1, generator=gen, dtype=torch.float64).to("cuda")
+    v = torch.randn(csr.num_dst, 4, 6, generator=gen, dtype=torch.float64).to("cuda")
+    s = torch.randn(csr.num_edges, 4, generator=gen).to("cuda")
+    cases = {
+        "gspmm u_mul_e sum": lambda a: kernels.gspmm(csr, "u_mul_e", "sum", u=a[0], e=a[1]),
+        "gspmm u_mul_e mean": lambda a: kernels.gspmm(csr, "u_mul_e", "mean", u=a[0], e=a[1]),
+        "gspmm copy_u max": lambda a: kernels.gspmm(csr, "copy_u", "max", u=a[0]),
+        "gsddmm u_dot_v": lambda a: kernels.gsddmm(csr, "u_dot_v", u=a[0], v=a[2]),
+        "gsddmm u_sub_v": lambda a: kernels.gsddmm(csr, "u_sub_v", u=a[0], v=a[2]),
+        "edge_softmax": lambda a: kernels.edge_softmax(csr, a[3]),
+    }
+    direct = [0]
+    launch = _numba_cuda._direct
+
+    def counted(*args):
+        done = launch(*args)
+        direct[0] += done
+        return done
+
+    monkeypatch.setattr(_numba_cuda, "_direct", counted)
+    for name, fn in cases.items():
+        runs = []
+        for on in (False, True, True):
+            monkeypatch.setattr(_numba_cuda, "direct_launch", on)
+            before = direct[0]
+            args = [x.detach().requires_grad_() for x in (u, w, v, s)]
+            with kernels.use_backend("numba_cuda"):
+                out = fn(args)
+                grads = torch.autograd.grad(out, args, torch.ones_like(out), allow_unused=True)
+            torch.cuda.synchronize()
+            assert (direct[0] > before) == on, name
+            runs.append([out] + [g for g in grads if g is not None])
+        for got in runs[1:]:
+            assert len(got) == len(runs[0]) and len(got) > 1, name
+            for a, b in zip(got, runs[0]):
+                assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("reduce", ["max", "min"])
 def test_split_rows_nan_propagates_like_torch(seg_edges, reduce):
     """A NaN in a later segment of a hub row wins over the earlier segments' values, as in
