@@ -85,7 +85,8 @@ def main():
     ap.add_argument("--feats", type=int, default=16)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--tiny", action="store_true", help="30 vertices, 90 edges, F = 4, 2 calls, 1 round")
+    ap.add_argument("--tiny", action="store_true",
+                    help="30 vertices, 90 edges, F = 4, 2 calls, 1 round")
     ap.add_argument("--out", default=str(REPO / "results" / "cuda_launch"))
     args = ap.parse_args()
     if args.tiny:

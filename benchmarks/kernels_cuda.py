@@ -154,7 +154,7 @@ def baseline_fn(g, case):
     if case["kernel"] == "gspmm":
         binop = SPMM_OPS[case["op"]]
         return lambda x: _api._GSpMM.apply(csr, mod, binop, case["reduce"], x.get("u"),
-                                           x.get("e"))
+                                           x.get("e"), None)
     if case["kernel"] == "gsddmm":
         return lambda x: _api._GSDDMM.apply(csr, mod, "dot", "u", "v", x["u"], x["v"])
     return lambda x: _api._EdgeSoftmax.apply(csr, mod, x["s"])

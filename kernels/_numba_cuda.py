@@ -8,10 +8,12 @@ Why segments: on power-law graphs a few rows hold a large share of the edges (an
 long after every other. Rows longer than ``_SEG_EDGES`` are split; their segments write partial
 results to a scratch buffer that a second, tiny kernel combines in segment order. Each output
 element is thus reduced in a fixed order by fixed threads: no atomics, and results are bitwise
-reproducible run to run. Edge-parallel stages (g-SDDMM, the last pass of edge softmax) use one
-thread per output element; dot products use one lane group per edge whose partial sums meet
-through a butterfly of warp shuffles (the CUDA simulator, where CI tests this backend, has no
-shuffles: there the same butterfly goes through shared memory, see ``_xor_add``). The edge
+reproducible run to run (the sums that go to cuSPARSE instead, see ``_cusparse_sum``, are not,
+except under ``torch.use_deterministic_algorithms(True)``, where this kernel takes them).
+Edge-parallel stages (g-SDDMM, the last pass of edge softmax) use one thread per output element;
+dot products use one lane group per edge whose partial sums meet through a butterfly of warp
+shuffles (the CUDA simulator, where CI tests this backend, has no shuffles: there the same
+butterfly goes through shared memory, see ``_xor_add``). The edge
 softmax's per-edge passes run in edge-id order (scores read and written in order); the g-SDDMM
 walks CSR positions (a destination's row is read once per run of its edges) and writes through
 ``eids``.
@@ -637,6 +639,31 @@ class _Graph:
         self.indptr, self.indices, self.eids = indptr, csr.indices, csr.eids
         self.dst_ids = dst_ids
         self.segs, self.hrows, self.hptr = segs, hrows, hptr
+        self._sparse_index, self._ones, self._degrees = None, {}, {}
+
+    def sparse_index(self):
+        """(crow, col) of one index dtype for ``torch.sparse_csr_tensor``: int32 both where the
+        edges fit, else int64 both (cached)."""
+        if self._sparse_index is None:
+            small = self.indptr.numel() and int(self.indptr[-1]) < 2 ** 31 - 1
+            dtype = torch.int32 if small else torch.int64
+            self._sparse_index = (self.indptr.to(dtype).contiguous(),
+                                  self.indices.to(dtype).contiguous())
+        return self._sparse_index
+
+    def ones(self, dtype):
+        """[E] ones, the values of a copy_u sum's sparse matrix (cached per dtype)."""
+        if dtype not in self._ones:
+            self._ones[dtype] = torch.ones(self.indices.numel(), dtype=dtype,
+                                           device=self.indices.device)
+        return self._ones[dtype]
+
+    def degrees(self, dtype):
+        """[num_dst, 1] in-degrees, at least 1 (a mean's divisor; cached per dtype)."""
+        if dtype not in self._degrees:
+            deg = (self.indptr[1:] - self.indptr[:-1]).clamp_(min=1)
+            self._degrees[dtype] = deg.to(dtype).unsqueeze(1)
+        return self._degrees[dtype]
 
     def scratch(self, lo, dtype, device):
         """[num_slots, lo] partial results of split rows (a 1-row stand-in when none)."""
@@ -670,6 +697,37 @@ def _offsets(binop, fl, fr, fo, device):
     return hit
 
 
+# Sums of source rows, each scaled by at most one number per edge (copy_u, u_mul_e with a scalar
+# edge weight, sum or mean; GCN's, GraphSAGE's and GIN's aggregations and their backward on the
+# transposed graph) go through cuSPARSE's CSR SpMM (``torch.sparse.mm``): on an H200 1.2-3.9x
+# ahead of ``_spmm_sum`` on R-MAT, forward and backward, 0.94-1.6x on a uniform graph
+# (benchmarks/README.md, kernels_cuda.py). Its results are not bitwise reproducible run to run
+# on rows of many edges (seen there), as torch's own scatter ops: under
+# ``torch.use_deterministic_algorithms(True)`` this backend's own kernel, which is, takes them.
+# ``cusparse_sums = False``, or ``NGRA_CUDA_CUSPARSE=0``, keeps the kernel always. The sparse
+# matrix's indices are int32 where the edges fit (a copy of the CSR's, cached with the graph).
+cusparse_sums = os.environ.get("NGRA_CUDA_CUSPARSE", "1") != "0"
+
+
+def _use_cusparse() -> bool:
+    return cusparse_sums and not torch.are_deterministic_algorithms_enabled()
+
+
+def _cusparse_sum(csr, gr, U, W, mean):
+    """``sum_{k in row v} w_k U[indices[k]]`` (``w`` = 1 without ``W``) for every destination
+    ``v`` through ``torch.sparse.mm``, divided by the in-degree for a mean (0 for none)."""
+    crow, col = gr.sparse_index()
+    vals = gr.ones(U.dtype) if W is None else W.reshape(-1)[csr.eids]
+    with warnings.catch_warnings():  # torch's one-time note that sparse CSR is in beta
+        warnings.simplefilter("ignore", UserWarning)
+        a = torch.sparse_csr_tensor(crow, col, vals, (csr.num_dst, csr.num_src),
+                                    check_invariants=False)
+    out = torch.sparse.mm(a, U)
+    if mean:
+        out.div_(gr.degrees(U.dtype))
+    return out
+
+
 def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     _check_dtype(lhs, rhs)
     gr = _graph(csr)
@@ -684,6 +742,12 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     U = U if U is not None else W
     W = W if W is not None else U
     loff, roff, _ = _offsets(binop, fu, fe, fo, dev)
+    if (reduce in ("sum", "mean") and dev.type == "cuda" and _use_cusparse() and lhs is not None
+            and lo and csr.num_dst and csr.num_src and csr.num_edges
+            and (binop == "copy_lhs" or (binop == "mul" and math.prod(fe) == 1
+                                         and W.dtype == U.dtype))):
+        out = _cusparse_sum(csr, gr, U, None if binop == "copy_lhs" else W, reduce == "mean")
+        return out.reshape((csr.num_dst,) + fo), None
     out = torch.empty((csr.num_dst, lo), dtype=dtype, device=dev)
     g = _group(lo)
     arg = None

@@ -92,3 +92,19 @@ def test_cuda_launch_benchmark_tiny_in_simulator(tmp_path):
                                          "gsddmm u_dot_v fwd", "edge_softmax fwd+bwd"]
     for r in rows:
         assert min(float(r[k]) for k in ("numba_launch_us", "direct_launch_us", "torch_us")) > 0
+
+
+@pytest.mark.slow
+def test_baseline_module_is_timed_beside_ngra(tmp_path):
+    """--baseline-module FILE times another implementation of the backend in the same rounds
+    (here the committed one against itself: the same values)."""
+    res = _run(["--only", "rmat.*gspmm\\|(copy_u|u_mul_e)\\|sum", "--baseline-module",
+                str(ROOT / "kernels" / "_numba_cuda.py")], tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [r for r in csv.DictReader(open(tmp_path / "kernels_cuda.csv"))
+            if r["method"] == "baseline module"]
+    assert len(rows) == 4  # copy_u and u_mul_e sums, forward and backward
+    for r in rows:
+        assert float(r["ms"]) > 0, r
+        if r["pass"] == "fwd":
+            assert float(r["check (max rel diff vs ngra)"]) < 1e-6, r

@@ -136,8 +136,34 @@ def test_dot_reduction_widths(red):
     _close(_run("numba_cuda", fn, [u, v], g), _run("torch", fn, [u, v], g), torch.float64)
 
 
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms(True) for the test: the sums that would go to cuSPARSE
+    (not bitwise reproducible on long rows) take numba_cuda's own kernel."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_cusparse_sums_only_outside_deterministic_mode(monkeypatch):
+    monkeypatch.setattr(_numba_cuda, "cusparse_sums", True)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert _numba_cuda._use_cusparse()
+        torch.use_deterministic_algorithms(True)
+        assert not _numba_cuda._use_cusparse()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    monkeypatch.setattr(_numba_cuda, "cusparse_sums", False)
+    assert not _numba_cuda._use_cusparse()
+
+
 @pytest.mark.slow
-def test_bitwise_deterministic(seg_edges):
+def test_bitwise_deterministic(seg_edges, deterministic):
     csr = _graph(seg_edges)
     gen = torch.Generator().manual_seed(5)
     u = torch.randn(csr.num_src, 7, generator=gen).to(csr.device)
@@ -163,21 +189,29 @@ def test_refuses_half_precision_and_auto_falls_back():
 
 
 @needs_gpu
-def test_runs_on_the_gpu_on_torchs_current_stream():
+@pytest.mark.parametrize("cusparse", [False, True])
+def test_runs_on_the_gpu_on_torchs_current_stream(cusparse, monkeypatch):
     """The kernels are compiled for the device (not simulated) and queue on torch's current
-    stream: work on a side stream, followed by a wait, gives the default stream's result."""
+    stream: work on a side stream, followed by a wait, gives the default stream's result (to
+    the bit from numba_cuda's own kernel; to rounding through cuSPARSE, which is not bitwise
+    reproducible on this graph's hub rows)."""
     assert not _numba_cuda.simulated()
+    monkeypatch.setattr(_numba_cuda, "cusparse_sums", cusparse)
     csr = _power_law(3000, 300_000, 7, "cuda")
     u = torch.randn(csr.num_src, 64, device="cuda")
     ref = kernels.gspmm(csr, "copy_u", "sum", u=u, backend="numba_cuda")
-    assert ref.is_cuda and len(_numba_cuda._spmm_sum.overloads) > 0
+    assert ref.is_cuda and (cusparse or len(_numba_cuda._spmm_sum.overloads) > 0)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the side stream is busy a while before u2 is written
         u2 = u * 1.0  # queued on the side stream: the kernel must run after it
         out = kernels.gspmm(csr, "copy_u", "sum", u=u2, backend="numba_cuda")
     torch.cuda.current_stream().wait_stream(side)
-    assert torch.equal(out, ref)
+    if cusparse:
+        torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)  # a lost wait: garbage
+    else:
+        assert torch.equal(out, ref)
     fn = lambda backend, x: kernels.gspmm(csr, "copy_u", "sum", u=x, backend=backend)  # noqa: E731
     _match_torch(fn, [u], torch.randn_like(ref))
 
@@ -195,6 +229,29 @@ def test_direct_launch_arguments_are_numbas_layout():
     _numba_cuda._SCALARS["bool"](True, out)
     assert [type(v).__name__ for v in out] == ["c_float", "c_long", "bool"]
     assert [getattr(v, "value", v) for v in out] == [0.5, 3, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cusparse_sums_match_the_dense_reference(dtype):
+    """The sums that go through cuSPARSE on a GPU (copy_u and u_mul_e with one weight per edge,
+    sum and mean): the same construction on CPU tensors (torch.sparse.mm runs there too) against
+    the torch backend, including rows without edges, int32 and int64 indices and heads."""
+    for index_dtype in (torch.int32, torch.int64):
+        gen = torch.Generator().manual_seed(3)
+        src = torch.randint(0, 40, (300,), generator=gen)
+        dst = torch.randint(0, 30, (300,), generator=gen) % 29  # destination 29 gets no edges
+        csr = CSR.from_coo(src, dst, (40, 30), index_dtype=index_dtype)
+        assert int(csr.in_degrees()[29]) == 0 and csr.indices.dtype == index_dtype
+        gr = _numba_cuda._Graph(csr)
+        u = torch.randn(40, 3, 5, generator=gen, dtype=dtype)
+        w = torch.rand(300, 1, 1, generator=gen, dtype=dtype)
+        for op, e in (("copy_u", None), ("u_mul_e", w)):
+            for mean in (False, True):
+                got = _numba_cuda._cusparse_sum(csr, gr, u.reshape(40, 15),
+                                                None if e is None else e.reshape(300, 1), mean)
+                want = kernels.gspmm(csr, op, "mean" if mean else "sum", u=u, e=e,
+                                     backend="torch")
+                torch.testing.assert_close(got.reshape(want.shape), want)
 
 
 @needs_gpu
