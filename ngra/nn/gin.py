@@ -35,7 +35,8 @@ class GINConv(Conv):
     tensors for ``(1 + eps) x_i``, the sum of the two and the bias in the forward, nor for the
     gradient's two terms and their sum in backward. The same value up to rounding (the self
     term's product may be fused into its add); the streaming engine, a distributed graph and
-    eager mode take the vertex program.
+    eager mode take the vertex program. On this path a ReLU followed by a Linear in ``nn`` runs
+    as one ``kernels._dense.relu_linear`` (blocks of rows; no [N, hidden] ReLU output).
     """
 
     gather = "sum"
@@ -108,8 +109,18 @@ class GINConv(Conv):
         if lin is None and not (type(self.nn) is torch.nn.Sequential
                                 and not _dense._hooked(self.nn)):
             return self.nn(z)
-        for m in list(self.nn)[0 if lin is None else 1:]:
+        mods = list(self.nn)[0 if lin is None else 1:]
+        k = 0
+        while k < len(mods):
+            m = mods[k]
+            nxt = mods[k + 1] if k + 1 < len(mods) else None
+            if (type(m) is torch.nn.ReLU and type(nxt) is torch.nn.Linear
+                    and not _dense._hooked(m) and not _dense._hooked(nxt)):
+                z = _dense.relu_linear(z, nxt.weight, nxt.bias)  # one pass over blocks of rows
+                k += 2
+                continue
             z = _dense.call_module(m, z)  # a Linear / ReLU in the output cache
+            k += 1
         return z
 
     # -- the vertex program -------------------------------------------------------------------

@@ -170,3 +170,31 @@ def test_one_kernel_path_runs_hooks_of_the_mlp():
     layer.nn[2].register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
     out = layer(g, torch.randn(g.num_nodes, 5))
     assert seen == [tuple(out.shape)]
+
+
+def test_one_kernel_path_runs_relu_then_linear_in_blocks(monkeypatch):
+    """On the one-kernel path a ReLU followed by a Linear in the MLP is one
+    ``kernels._dense.relu_linear`` (blocks of rows), with the program's values and gradients."""
+    from kernels import _dense
+
+    calls = []
+    apply = _dense._ReluLinear.apply
+    monkeypatch.setattr(_dense._ReluLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    monkeypatch.setattr(_dense, "RELU_LINEAR_BYTES", 500 * 96 * 4)  # several blocks
+    g = ngra.datasets.rmat(num_nodes=3000, num_edges=20000, seed=3)
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(5, 96), torch.nn.ReLU(), torch.nn.Linear(96, 96))
+    layer = GINConv(mlp, eps=0.5)
+    results = []
+    for fuse in (True, False):
+        layer.fuse = fuse
+        layer.zero_grad(set_to_none=True)
+        x = torch.randn(g.num_nodes, 5, generator=torch.Generator().manual_seed(1),
+                        requires_grad=True)
+        out = layer(g, x)
+        assert len(calls) == 1  # the fused run's; the program's takes torch's ops
+        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+        (out * probe).sum().backward()
+        results.append([out.detach(), x.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*results):  # float32 sums over 3000 rows in another order
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
