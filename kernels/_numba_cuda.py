@@ -757,9 +757,8 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
         return out.reshape((csr.num_dst,) + fo), arg
     if reduce in ("sum", "mean"):
         part = gr.scratch(lo, dtype, dev)
-        _launch_groups(_spmm_sum, gr.num_segs, g, dev, gr.segs, gr.indices, gr.eids, U,
-                       W, out, part, _CODE[binop], loff, roff,
-                       reduce == "mean", _zero(dtype), g)
+        _launch_groups(_spmm_sum, gr.num_segs, g, dev, gr.segs, gr.indices, gr.eids, U, W, out,
+                       part, _CODE[binop], loff, roff, reduce == "mean", _zero(dtype), g)
         if gr.num_split:
             _launch_flat(_merge_sum, gr.num_split * lo, dev, gr.hrows, gr.hptr, gr.indptr,
                          part, out, reduce == "mean", _zero(dtype))
@@ -769,12 +768,12 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
         pbest = gr.scratch(lo, dtype, dev)
         parg = torch.empty(pbest.shape, dtype=torch.int64, device=dev)
         is_max = reduce == "max"
-        _launch_groups(_spmm_maxmin, gr.num_segs, g, dev, gr.segs, gr.indices, gr.eids,
-                       U, W, out, arg, pbest, parg,
-                       _CODE[binop], loff, roff, is_max, need_arg, _zero(dtype), g)
+        _launch_groups(_spmm_maxmin, gr.num_segs, g, dev, gr.segs, gr.indices, gr.eids, U, W,
+                       out, arg, pbest, parg, _CODE[binop], loff, roff, is_max, need_arg,
+                       _zero(dtype), g)
         if gr.num_split:
-            _launch_flat(_merge_maxmin, gr.num_split * lo, dev, gr.hrows, gr.hptr, pbest,
-                         parg, out, arg, is_max, need_arg)
+            _launch_flat(_merge_maxmin, gr.num_split * lo, dev, gr.hrows, gr.hptr, pbest, parg,
+                         out, arg, is_max, need_arg)
         arg = arg.reshape((csr.num_dst,) + fo) if need_arg else None
     return out.reshape((csr.num_dst,) + fo), arg
 
@@ -802,9 +801,8 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
         if lo and csr.num_src:
             part = t.scratch(lo, g.dtype, dev)
             grp = _group(lo)
-            _launch_groups(_maxmin_grad_u, t.num_segs, grp, dev, t.segs, t.indices, t.eids,
-                           A, G, W, gu, part, op, roff,
-                           _zero(g.dtype), grp)
+            _launch_groups(_maxmin_grad_u, t.num_segs, grp, dev, t.segs, t.indices, t.eids, A,
+                           G, W, gu, part, op, roff, _zero(g.dtype), grp)
             if t.num_split:
                 _launch_flat(_merge_sum, t.num_split * lo, dev, t.hrows, t.hptr, t.indptr,
                              part, gu, False, _zero(g.dtype))
@@ -812,8 +810,8 @@ def spmm_arg_backward(csr, binop, arg, g, lhs, rhs, need_lhs, need_rhs):
     if need_rhs:
         src, _ = csr.coo()
         ge = torch.zeros((csr.num_edges, lo), dtype=g.dtype, device=dev)
-        _launch_flat(_maxmin_grad_e, csr.num_dst * lo, dev, A, src, G,
-                     U, W, ge, op, loff, roff)
+        _launch_flat(_maxmin_grad_e, csr.num_dst * lo, dev, A, src, G, U, W, ge, op, loff,
+                     roff)
         ge = reduce_to(ge.reshape((csr.num_edges,) + fo), fe)
     return gu, ge
 
@@ -834,8 +832,8 @@ def sddmm(csr, binop, lhs, lhs_target, rhs, rhs_target):
     loff, roff, red = _offsets(binop, fl, fr, fo, dev)
     lo = math.prod(fo)
     out = torch.empty((csr.num_edges, lo), dtype=lhs.dtype, device=dev)
-    common = (gr.dst_ids, gr.indices, gr.eids, L, _TARGET[lhs_target], R,
-              _TARGET[rhs_target], out)
+    common = (gr.dst_ids, gr.indices, gr.eids, L, _TARGET[lhs_target], R, _TARGET[rhs_target],
+              out)
     if binop == "dot":
         grp = _group(red)
         _launch_groups(_sddmm_dot, csr.num_edges * lo, grp, dev, *common, loff, roff, red,
@@ -858,13 +856,12 @@ def edge_softmax(csr, scores):
         pm, pz = gr.scratch(F, S.dtype, dev), gr.scratch(F, S.dtype, dev)
         grp = _group(F)
         zero = _zero(S.dtype)
-        _launch_groups(_softmax_rows, gr.num_segs, grp, dev, gr.segs, gr.eids, S, M,
-                       Z, pm, pz, zero, grp)
+        _launch_groups(_softmax_rows, gr.num_segs, grp, dev, gr.segs, gr.eids, S, M, Z, pm, pz,
+                       zero, grp)
         if gr.num_split:
-            _launch_flat(_softmax_merge, gr.num_split * F, dev, gr.hrows, gr.hptr, pm,
-                         pz, M, Z, zero)
-        _launch_flat(_softmax_edges, csr.num_edges * F, dev, csr.coo()[1], S, M,
-                     Z, Y)
+            _launch_flat(_softmax_merge, gr.num_split * F, dev, gr.hrows, gr.hptr, pm, pz, M,
+                         Z, zero)
+        _launch_flat(_softmax_edges, csr.num_edges * F, dev, csr.coo()[1], S, M, Z, Y)
     return Y.reshape(scores.shape)
 
 
@@ -880,11 +877,10 @@ def edge_softmax_backward(csr, y, grad_y):
         part = gr.scratch(F, Y.dtype, dev)
         grp = _group(F)
         zero = _zero(Y.dtype)
-        _launch_groups(_softmax_bwd_rows, gr.num_segs, grp, dev, gr.segs, gr.eids, Y,
-                       G, T, part, zero, grp)
+        _launch_groups(_softmax_bwd_rows, gr.num_segs, grp, dev, gr.segs, gr.eids, Y, G, T,
+                       part, zero, grp)
         if gr.num_split:
             _launch_flat(_merge_sum, gr.num_split * F, dev, gr.hrows, gr.hptr, gr.indptr,
                          part, T, False, zero)
-        _launch_flat(_softmax_bwd_edges, csr.num_edges * F, dev, csr.coo()[1], Y,
-                     G, T, GS)
+        _launch_flat(_softmax_bwd_edges, csr.num_edges * F, dev, csr.coo()[1], Y, G, T, GS)
     return GS.reshape(y.shape)
