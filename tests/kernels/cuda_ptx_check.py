@@ -57,8 +57,8 @@ def _record_launches():
 
     seen = {}
 
-    def record(kernel, grid, device, args):
-        sig = tuple(numba.typeof(a) for a in args)
+    def record(kernel, grid, device, args):  # torch tensors as numba's launch gets them
+        sig = tuple(numba.typeof(nc._dev(a) if isinstance(a, torch.Tensor) else a) for a in args)
         seen.setdefault((kernel.py_func.__name__, sig), (kernel, sig))
 
     nc._run = record
