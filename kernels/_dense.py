@@ -37,8 +37,8 @@ from . import _dropout
 from ._outcache import CACHE as _CACHE
 from ._outcache import MIN_BYTES
 
-__all__ = ["call", "call_module", "linear", "linear_group", "relu_linear", "relu", "leaky_relu",
-           "addcmul", "add", "mul"]
+__all__ = ["call", "call_module", "linear", "linear_group", "relu_linear", "linear_relu_linear",
+           "relu", "leaky_relu", "addcmul", "add", "mul"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -292,9 +292,9 @@ def linear_group(x: torch.Tensor, *linears) -> tuple:
                  for m, w, b in zip(linears, ws, bs))
 
 
-# -- ReLU then Linear ------------------------------------------------------------------------------
-# bytes of the ReLU's input per block of rows in :class:`_ReluLinear` (its output, the Linear's
-# result and in backward the gradients beside it stay in the L2 / L3 caches). ReLU -> Linear on
+# -- ReLU then Linear, and a Linear before them ---------------------------------------------------
+# bytes of the ReLU's input per block of rows in :class:`_BlockedMlp` (its output, the Linears'
+# results and in backward the gradients beside it stay in the L2 / L3 caches). ReLU -> Linear on
 # [1M, 64], forward and backward, one process, the two forms taking turns (scratch script,
 # 2026-11-28, 16 rounds, medians): to 64 features 435 ms as separate ops, 326 in blocks of 8192
 # rows; to 16 features 234 and 161. In earlier, noisier runs blocks of 4096 rows did as well as
@@ -302,84 +302,143 @@ def linear_group(x: torch.Tensor, *linears) -> tuple:
 RELU_LINEAR_BYTES = 2 << 20
 
 
-class _ReluLinear(torch.autograd.Function):
-    """``F.linear(relu(z), weight, bias)`` a block of rows at a time: each block's ReLU goes to a
-    reused buffer and straight into its rows' GEMM, so the [N, in] ReLU output is never written
-    out, read back, nor kept: backward makes each block's ReLU again from ``z`` (kept instead),
-    and takes the block's weight-gradient GEMM, bias sum and input gradient (GEMM, then the
-    ReLU's mask) while the block is in cache; torch's ops would make three more passes over
-    [N, in] tensors (the ReLU's output, the mask on the input gradient) and one over the
-    gradient for the bias. The forward's values are the separate ops' (the same aten kernels on
-    blocks of rows; equal up to rounding where MKL groups a block's sums otherwise); the weight
-    and bias gradients are sums over the blocks (equal up to rounding)."""
+class _BlockedMlp(torch.autograd.Function):
+    """``F.linear(relu(F.linear(x, w1, b1)), w2, b2)`` -- with ``w1`` None, ``F.linear(relu(x),
+    w2, b2)`` -- a block of rows at a time: each block's ReLU goes to a reused buffer and
+    straight into its rows' second GEMM, so the [N, hidden] ReLU output is never written out,
+    read back, nor kept (the first Linear's output ``h`` is, in place of it). Backward makes
+    each block's ReLU again from ``h`` and takes, while the block is in cache, the second
+    Linear's weight-gradient GEMM and bias sum, the hidden gradient (a GEMM, then the ReLU's
+    mask) and from it the first Linear's weight gradient, bias sum and input gradient: the
+    hidden gradient is never written out either. Torch's ops would make a ReLU pass, a mask pass,
+    a bias sum pass per Linear and the hidden gradient's write and reads, each over [N, hidden]
+    in memory, and a bias copy into each Linear's output. The forward's values are the separate
+    ops' (the same aten kernels on blocks of rows; equal up to rounding where MKL groups a
+    block's sums otherwise); weight and bias gradients are sums over the blocks (equal up to
+    rounding)."""
 
     @staticmethod
-    def forward(ctx, z, weight, bias):
-        n, width = z.shape
-        out = _CACHE.empty((n, weight.shape[0]), z.dtype)
-        step = _relu_linear_rows(z)
-        buf = _CACHE.empty((min(step, n), width), z.dtype)
-        wt = weight.t()
+    def forward(ctx, x, w1, b1, w2, b2):
+        n = x.shape[0]
+        first = w1 is not None
+        hidden = w1.shape[0] if first else x.shape[1]
+        h = _CACHE.empty((n, hidden), x.dtype) if first else x
+        out = _CACHE.empty((n, w2.shape[0]), x.dtype)
+        step = _mlp_rows(hidden, x.element_size())
+        buf = _CACHE.empty((min(step, n), hidden), x.dtype)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
-            a = torch.clamp_min(z[r0:r1], 0, out=buf[:r1 - r0])  # aten's relu on the CPU
-            if bias is None:
-                torch.mm(a, wt, out=out[r0:r1])
-            else:
-                torch.addmm(bias, a, wt, out=out[r0:r1])
-        ctx.save_for_backward(z, weight)
-        ctx.has_bias = bias is not None
+            if first:
+                _affine(x[r0:r1], w1, b1, h[r0:r1])
+            a = torch.clamp_min(h[r0:r1], 0, out=buf[:r1 - r0])  # aten's relu on the CPU
+            _affine(a, w2, b2, out[r0:r1])
+        ctx.save_for_backward(x, w1, b1, h if first else None, w2)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        z, weight = ctx.saved_tensors
-        need_z, need_w, need_b = ctx.needs_input_grad
-        need_b = need_b and ctx.has_bias
+        x, w1, b1, h, w2 = ctx.saved_tensors
+        first = w1 is not None
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad
+        need_h = need_x or need_w1 or need_b1
         if torch.is_grad_enabled():  # create_graph: torch's differentiable ops, whole tensors
-            a = torch.relu(z)
-            gz = torch.ops.aten.threshold_backward(g.mm(weight), a, 0) if need_z else None
-            return gz, g.t().mm(a) if need_w else None, g.sum(0) if need_b else None
-        n, width = z.shape
-        step = _relu_linear_rows(z)
+            h = F.linear(x, w1, b1) if first else x
+            a = torch.relu(h)
+            gh = torch.ops.aten.threshold_backward(g.mm(w2), a, 0) if need_h else None
+            grads = [gh if not first else gh.mm(w1) if need_x else None,
+                     gh.t().mm(x) if need_w1 else None, gh.sum(0) if need_b1 else None,
+                     g.t().mm(a) if need_w2 else None, g.sum(0) if need_b2 else None]
+            return tuple(grads)
+        if not first:
+            h = x
+        n, hidden = h.shape
+        step = _mlp_rows(hidden, h.element_size())
         rows = min(step, n)
-        buf = _CACHE.empty((rows, width), z.dtype)
-        gz = _CACHE.empty((n, width), g.dtype) if need_z else None
-        gbuf = _CACHE.empty((rows, width), g.dtype) if need_z else None
-        wide = _wide(z, g)
-        gw = torch.zeros((width, g.shape[1]) if wide else (g.shape[1], width), dtype=g.dtype) \
-            if need_w else None
-        gb = torch.zeros(g.shape[1], dtype=g.dtype) if need_b else None
+        buf = _CACHE.empty((rows, hidden), h.dtype)
+        gabuf = _CACHE.empty((rows, hidden), g.dtype) if need_h else None
+        ghbuf = _CACHE.empty((rows, hidden), g.dtype) if need_h and first else None
+        gx = _CACHE.empty(tuple(x.shape), g.dtype) if need_x else None
+        wide2 = _wide(h, g)
+        gw2 = _accumulator(hidden, g.shape[1], wide2, g.dtype) if need_w2 else None
+        gb2 = torch.zeros(g.shape[1], dtype=g.dtype) if need_b2 else None
+        wide1 = first and _wide(x, h)
+        gw1 = _accumulator(x.shape[1], hidden, wide1, g.dtype) if need_w1 else None
+        gb1 = torch.zeros(hidden, dtype=g.dtype) if need_b1 else None
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
-            a = torch.clamp_min(z[r0:r1], 0, out=buf[:r1 - r0])
-            gc = g[r0:r1]
-            if need_w and wide:
-                gw.addmm_(a.t(), gc)
-            elif need_w:
-                gw.addmm_(gc.t(), a)
-            if need_b:
-                gb += gc.sum(0)
-            if need_z:
-                ga = torch.mm(gc, weight, out=gbuf[:r1 - r0])
-                torch.ops.aten.threshold_backward.grad_input(ga, a, 0, grad_input=gz[r0:r1])
-        if need_w and wide:
-            gw = gw.t().contiguous()
-        return gz, gw, gb
+            a = torch.clamp_min(h[r0:r1], 0, out=buf[:r1 - r0])
+            gy = g[r0:r1]
+            if need_w2:
+                _accumulate(gw2, wide2, a, gy)
+            if need_b2:
+                gb2 += gy.sum(0)
+            if not need_h:
+                continue
+            ga = torch.mm(gy, w2, out=gabuf[:r1 - r0])
+            gh = ghbuf[:r1 - r0] if first else gx[r0:r1]
+            torch.ops.aten.threshold_backward.grad_input(ga, a, 0, grad_input=gh)
+            if need_w1:
+                _accumulate(gw1, wide1, x[r0:r1], gh)
+            if need_b1:
+                gb1 += gh.sum(0)
+            if need_x and first:
+                torch.mm(gh, w1, out=gx[r0:r1])
+        return (gx, _finish(gw1, wide1) if need_w1 else None, gb1,
+                _finish(gw2, wide2) if need_w2 else None, gb2)
 
 
-def _relu_linear_rows(z: torch.Tensor) -> int:
-    return max(64, RELU_LINEAR_BYTES // max(1, z.shape[1] * z.element_size()))
+def _affine(x, w, b, out):
+    """``F.linear(x, w, b)`` into ``out`` with F.linear's kernels (mm, or addmm with a bias)."""
+    if b is None:
+        torch.mm(x, w.t(), out=out)
+    else:
+        torch.addmm(b, x, w.t(), out=out)
+
+
+def _accumulator(width_in, width_out, wide, dtype):
+    """Zeros for a weight gradient [out, in] summed over blocks, held as [in, out] where
+    :func:`_weight_grad` would take ``(x^T g)^T`` (``wide``)."""
+    return torch.zeros((width_in, width_out) if wide else (width_out, width_in), dtype=dtype)
+
+
+def _accumulate(acc, wide, x, g):
+    """``acc += x^T g`` (wide) or ``g^T x``: a block's share of a weight gradient."""
+    if wide:
+        acc.addmm_(x.t(), g)
+    else:
+        acc.addmm_(g.t(), x)
+
+
+def _finish(acc, wide):
+    return acc.t().contiguous() if wide else acc
+
+
+def _mlp_rows(hidden: int, itemsize: int) -> int:
+    return max(64, RELU_LINEAR_BYTES // max(1, hidden * itemsize))
 
 
 def relu_linear(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """``F.linear(torch.relu(z), weight, bias)``, a block of rows at a time for a 2-D CPU ``z``
-    (:class:`_ReluLinear`), else through :func:`relu` and :func:`linear`."""
+    (:class:`_BlockedMlp`), else through :func:`relu` and :func:`linear`."""
     operands = (z, weight) if bias is None else (z, weight, bias)
-    if _linear_form(z, weight, bias) and usable((z.shape[0], weight.shape[0]), *operands) \
-            and usable(z.shape, z):
-        return _ReluLinear.apply(z, weight, bias)
+    if _linear_form(z, weight, bias) and usable(z.shape, *operands):  # the [N, hidden] passes
+        return _BlockedMlp.apply(z, None, None, weight, bias)
     return linear(relu(z), weight, bias)
+
+
+def linear_relu_linear(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
+                       w2: torch.Tensor, b2: torch.Tensor | None = None):
+    """``F.linear(torch.relu(F.linear(x, w1, b1)), w2, b2)`` (an MLP Linear -> ReLU -> Linear),
+    a block of rows at a time for a 2-D CPU ``x`` (:class:`_BlockedMlp`), else through
+    :func:`linear` and :func:`relu_linear`."""
+    ops1 = (x, w1) if b1 is None else (x, w1, b1)
+    ops2 = (w2,) if b2 is None else (w2, b2)
+    if (_linear_form(x, w1, b1) and isinstance(w2, torch.Tensor) and w2.dim() == 2
+            and w2.shape[1] == w1.shape[0] and (b2 is None or (isinstance(b2, torch.Tensor)
+                                                             and b2.dim() == 1))
+            and usable((x.shape[0], w1.shape[0]), *ops1, *ops2)):  # the [N, hidden] passes
+        return _BlockedMlp.apply(x, w1, b1, w2, b2)
+    return relu_linear(linear(x, w1, b1), w2, b2)
 
 
 # -- ReLU -----------------------------------------------------------------------------------------

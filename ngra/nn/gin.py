@@ -35,8 +35,9 @@ class GINConv(Conv):
     tensors for ``(1 + eps) x_i``, the sum of the two and the bias in the forward, nor for the
     gradient's two terms and their sum in backward. The same value up to rounding (the self
     term's product may be fused into its add); the streaming engine, a distributed graph and
-    eager mode take the vertex program. On this path a ReLU followed by a Linear in ``nn`` runs
-    as one ``kernels._dense.relu_linear`` (blocks of rows; no [N, hidden] ReLU output).
+    eager mode take the vertex program. On this path ``nn``'s Linear -> ReLU -> Linear and
+    ReLU -> Linear run as one op each over blocks of rows (``kernels._dense.linear_relu_linear``,
+    ``relu_linear``: no [N, hidden] ReLU output nor hidden gradient in memory).
     """
 
     gather = "sum"
@@ -112,15 +113,18 @@ class GINConv(Conv):
         mods = list(self.nn)[0 if lin is None else 1:]
         k = 0
         while k < len(mods):
-            m = mods[k]
-            nxt = mods[k + 1] if k + 1 < len(mods) else None
-            if (type(m) is torch.nn.ReLU and type(nxt) is torch.nn.Linear
-                    and not _dense._hooked(m) and not _dense._hooked(nxt)):
-                z = _dense.relu_linear(z, nxt.weight, nxt.bias)  # one pass over blocks of rows
+            # Linear -> ReLU -> Linear and ReLU -> Linear: one pass over blocks of rows each
+            triple = _plain(mods[k:k + 3], (torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear))
+            if triple:
+                z = _dense.linear_relu_linear(z, mods[k].weight, mods[k].bias,
+                                              mods[k + 2].weight, mods[k + 2].bias)
+                k += 3
+            elif _plain(mods[k:k + 2], (torch.nn.ReLU, torch.nn.Linear)):
+                z = _dense.relu_linear(z, mods[k + 1].weight, mods[k + 1].bias)
                 k += 2
-                continue
-            z = _dense.call_module(m, z)  # a Linear / ReLU in the output cache
-            k += 1
+            else:
+                z = _dense.call_module(mods[k], z)  # a Linear / ReLU in the output cache
+                k += 1
         return z
 
     # -- the vertex program -------------------------------------------------------------------
@@ -141,3 +145,11 @@ class GINConv(Conv):
         for m in list(self.nn)[1:]:
             z = m(z)
         return z
+
+
+def _plain(mods, types) -> bool:
+    """Whether ``mods`` are modules of exactly ``types`` (in order), none with hooks."""
+    from kernels import _dense
+
+    return (len(mods) == len(types) and all(type(m) is t for m, t in zip(mods, types))
+            and not any(_dense._hooked(m) for m in mods))

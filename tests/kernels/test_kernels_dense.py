@@ -228,9 +228,9 @@ def test_layers_same_with_and_without_the_cached_ops(name, monkeypatch):
     group = _dense._LinearGroup.apply
     monkeypatch.setattr(_dense._LinearGroup, "apply", lambda *a: grouped.append(1) or group(*a))
     blocks = []
-    relu_linear = _dense._ReluLinear.apply
-    monkeypatch.setattr(_dense._ReluLinear, "apply",
-                        lambda *a: blocks.append(1) or relu_linear(*a))
+    blocked_mlp = _dense._BlockedMlp.apply
+    monkeypatch.setattr(_dense._BlockedMlp, "apply",
+                        lambda *a: blocks.append(1) or blocked_mlp(*a))
     fast = _layer_run(layer, g, x)
     # GIN: its MLP's ReLU and Linear after the one-kernel sum as one relu_linear (the projection
     # before it calls _dense.linear itself); GraphSAGE: the sum (its two Linears on x: a group);
@@ -519,6 +519,74 @@ def test_relu_linear_falls_back_where_blocks_do_not_apply():
         leaves = [t.to(dtype).detach().requires_grad_() for t in _leaves(gen, torch.float32,
                                                                          *shapes)]
         got, want = _grads(_dense.relu_linear, leaves), _grads(_relu_then_linear, leaves)
+        torch.testing.assert_close(got[0], want[0])
+        for a, b in zip(got[1], want[1]):
+            torch.testing.assert_close(a, b)
+
+
+def _linear_relu_linear(x, w1, b1, w2, b2=None):
+    return F.linear(torch.relu(F.linear(x, w1, b1)), w2, b2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shapes", [[(N + 37, 32), (64, 32), (64,), (48, 64), (48,)],
+                                    [(N, 64), (64, 64), (64,), (16, 64)],  # narrow output
+                                    [(N, 8), (64, 8), (64,), (64, 64), (64,)]])  # narrow input
+def test_linear_relu_linear_equals_the_three_ops(dtype, shapes, monkeypatch):
+    """An MLP Linear -> ReLU -> Linear over several blocks of rows (the last one short): its
+    value and the gradients of x and all four parameters, up to rounding."""
+    monkeypatch.setattr(_dense, "RELU_LINEAR_BYTES", 1000 * shapes[1][0] * dtype.itemsize)
+    gen = torch.Generator().manual_seed(8)
+    leaves = _leaves(gen, dtype, *shapes)
+    if len(leaves) == 4:
+        leaves.append(None)
+    calls = []
+    apply = _dense._BlockedMlp.apply
+    monkeypatch.setattr(_dense._BlockedMlp, "apply", lambda *a: calls.append(1) or apply(*a))
+    got = _grads(_dense.linear_relu_linear, leaves)
+    assert calls == [1]
+    want = _grads(_linear_relu_linear, leaves)
+    _close(got[0], want[0])
+    assert len(got[1]) == len(want[1]) == len(shapes)
+    for a, b in zip(got[1], want[1]):
+        _close(a, b)
+
+
+def test_linear_relu_linear_only_the_gradients_asked_for():
+    gen = torch.Generator().manual_seed(9)
+    leaves = _leaves(gen, torch.float32, (N, 16), (64, 16), (64,), (32, 64), (32,))
+    for k in range(len(leaves)):
+        for j, t in enumerate(leaves):
+            t.requires_grad_(j == k)
+        (got,) = torch.autograd.grad(_dense.linear_relu_linear(*leaves).sum(), [leaves[k]])
+        (want,) = torch.autograd.grad(_linear_relu_linear(*leaves).sum(), [leaves[k]])
+        _close(got, want)
+
+
+def test_linear_relu_linear_second_derivatives_match_torch():
+    gen = torch.Generator().manual_seed(10)
+    x, w1, b1, w2, b2 = _leaves(gen, torch.float64, (N, 8), (16, 8), (16,), (24, 16), (24,))
+    results = []
+    for fn in (_dense.linear_relu_linear, _linear_relu_linear):
+        out = fn(x, w1, b1, w2, b2)
+        gx, gw1, gw2 = torch.autograd.grad((torch.tanh(out) ** 2).sum(), (x, w1, w2),
+                                           create_graph=True)
+        results.append(torch.autograd.grad((gx ** 2).sum() + (gw1 ** 2).sum() + gw2.sum(),
+                                           (x, w1, b1, w2)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_linear_relu_linear_falls_back_where_blocks_do_not_apply():
+    gen = torch.Generator().manual_seed(11)
+    for shapes in ([(8, 4), (3, 4), (3,), (2, 3), (2,)],  # small
+                   [(N, 4), (6, 4), (6,), (2, 5), (2,)]):  # widths that do not chain
+        leaves = _leaves(gen, torch.float32, *shapes)
+        if shapes[3][1] != shapes[1][0]:
+            with pytest.raises(RuntimeError):
+                _dense.linear_relu_linear(*leaves)
+            continue
+        got, want = _grads(_dense.linear_relu_linear, leaves), _grads(_linear_relu_linear, leaves)
         torch.testing.assert_close(got[0], want[0])
         for a, b in zip(got[1], want[1]):
             torch.testing.assert_close(a, b)

@@ -172,14 +172,15 @@ def test_one_kernel_path_runs_hooks_of_the_mlp():
     assert seen == [tuple(out.shape)]
 
 
-def test_one_kernel_path_runs_relu_then_linear_in_blocks(monkeypatch):
-    """On the one-kernel path a ReLU followed by a Linear in the MLP is one
-    ``kernels._dense.relu_linear`` (blocks of rows), with the program's values and gradients."""
+def test_one_kernel_path_runs_the_mlp_in_blocks(monkeypatch):
+    """On the one-kernel path the MLP Linear -> ReLU -> Linear is one
+    ``kernels._dense.linear_relu_linear`` (blocks of rows), with the program's values and
+    gradients."""
     from kernels import _dense
 
     calls = []
-    apply = _dense._ReluLinear.apply
-    monkeypatch.setattr(_dense._ReluLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    apply = _dense._BlockedMlp.apply
+    monkeypatch.setattr(_dense._BlockedMlp, "apply", lambda *a: calls.append(1) or apply(*a))
     monkeypatch.setattr(_dense, "RELU_LINEAR_BYTES", 500 * 96 * 4)  # several blocks
     g = ngra.datasets.rmat(num_nodes=3000, num_edges=20000, seed=3)
     torch.manual_seed(0)
