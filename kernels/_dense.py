@@ -156,6 +156,24 @@ def _wide(x: torch.Tensor, g: torch.Tensor) -> bool:
     return g.shape[1] >= min(x.shape[1], 16)
 
 
+def _accumulator(width_in, width_out, wide, dtype):
+    """Zeros for a weight gradient [out, in] summed over blocks, held as [in, out] where
+    :func:`_weight_grad` would take ``(x^T g)^T`` (``wide``)."""
+    return torch.zeros((width_in, width_out) if wide else (width_out, width_in), dtype=dtype)
+
+
+def _accumulate(acc, wide, x, g):
+    """``acc += x^T g`` (wide) or ``g^T x``: a block's share of a weight gradient."""
+    if wide:
+        acc.addmm_(x.t(), g)
+    else:
+        acc.addmm_(g.t(), x)
+
+
+def _finish(acc, wide):
+    return acc.t().contiguous() if wide else acc
+
+
 def _weight_grad_dropped(x: torch.Tensor, p: float, seed: int, rows, g: torch.Tensor):
     """:func:`_weight_grad` of ``dropout(x, p, seed, rows)`` (``kernels._dropout``) and ``g``, the
     dropout made again 16 MiB of rows at a time (``_dropout.chunks``) and each chunk's
@@ -170,15 +188,11 @@ def _weight_grads_dropped(x: torch.Tensor, p: float, seed: int, rows, gs) -> lis
     ``x``: the dropout made again once for all of them, each chunk's products for every ``g``
     while the chunk is in cache."""
     wide = [_wide(x, g) for g in gs]
-    accs = [torch.zeros((x.shape[1], g.shape[1]) if w else (g.shape[1], x.shape[1]),
-                        dtype=g.dtype) for g, w in zip(gs, wide)]
+    accs = [_accumulator(x.shape[1], g.shape[1], w, g.dtype) for g, w in zip(gs, wide)]
     for r0, r1, xd in _dropout.chunks(x, p, seed, rows):
         for acc, g, w in zip(accs, gs, wide):
-            if w:
-                acc.addmm_(xd.t(), g[r0:r1])
-            else:
-                acc.addmm_(g[r0:r1].t(), xd)
-    return [acc.t().contiguous() if w else acc for acc, w in zip(accs, wide)]
+            _accumulate(acc, w, xd, g[r0:r1])
+    return [_finish(acc, w) for acc, w in zip(accs, wide)]
 
 
 def _linear(x, weight, bias=None):
@@ -345,10 +359,9 @@ class _BlockedMlp(torch.autograd.Function):
             h = F.linear(x, w1, b1) if first else x
             a = torch.relu(h)
             gh = torch.ops.aten.threshold_backward(g.mm(w2), a, 0) if need_h else None
-            grads = [gh if not first else gh.mm(w1) if need_x else None,
-                     gh.t().mm(x) if need_w1 else None, gh.sum(0) if need_b1 else None,
-                     g.t().mm(a) if need_w2 else None, g.sum(0) if need_b2 else None]
-            return tuple(grads)
+            gx = (gh.mm(w1) if first else gh) if need_x else None
+            return (gx, gh.t().mm(x) if need_w1 else None, gh.sum(0) if need_b1 else None,
+                    g.t().mm(a) if need_w2 else None, g.sum(0) if need_b2 else None)
         if not first:
             h = x
         n, hidden = h.shape
@@ -393,24 +406,6 @@ def _affine(x, w, b, out):
         torch.mm(x, w.t(), out=out)
     else:
         torch.addmm(b, x, w.t(), out=out)
-
-
-def _accumulator(width_in, width_out, wide, dtype):
-    """Zeros for a weight gradient [out, in] summed over blocks, held as [in, out] where
-    :func:`_weight_grad` would take ``(x^T g)^T`` (``wide``)."""
-    return torch.zeros((width_in, width_out) if wide else (width_out, width_in), dtype=dtype)
-
-
-def _accumulate(acc, wide, x, g):
-    """``acc += x^T g`` (wide) or ``g^T x``: a block's share of a weight gradient."""
-    if wide:
-        acc.addmm_(x.t(), g)
-    else:
-        acc.addmm_(g.t(), x)
-
-
-def _finish(acc, wide):
-    return acc.t().contiguous() if wide else acc
 
 
 def _mlp_rows(hidden: int, itemsize: int) -> int:

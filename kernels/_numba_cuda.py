@@ -741,13 +741,13 @@ def spmm(csr, binop, reduce, lhs, rhs, need_arg=True):
     W = _flat(rhs, csr.num_edges) if rhs is not None else None
     U = U if U is not None else W
     W = W if W is not None else U
-    loff, roff, _ = _offsets(binop, fu, fe, fo, dev)
     if (reduce in ("sum", "mean") and dev.type == "cuda" and _use_cusparse() and lhs is not None
             and lo and csr.num_dst and csr.num_src and csr.num_edges
             and (binop == "copy_lhs" or (binop == "mul" and math.prod(fe) == 1
                                          and W.dtype == U.dtype))):
         out = _cusparse_sum(csr, gr, U, None if binop == "copy_lhs" else W, reduce == "mean")
         return out.reshape((csr.num_dst,) + fo), None
+    loff, roff, _ = _offsets(binop, fu, fe, fo, dev)
     out = torch.empty((csr.num_dst, lo), dtype=dtype, device=dev)
     g = _group(lo)
     arg = None
