@@ -74,6 +74,11 @@ def init_from_env(device: torch.device | str = "cpu", *, timeout: float = 300.0)
                                     world_size=info.world_size, timeout=limit)
         else:
             dist.init_process_group(backend, timeout=limit)
+        if backend == "gloo":
+            # Every worker connected before any goes on (see spawn: gloo's full-mesh connect
+            # can end on one worker before its peers, and one that then failed and left broke
+            # their init_process_group).
+            dist.barrier()
     return info
 
 
@@ -152,7 +157,8 @@ def spawn(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float 
     Each worker is a new interpreter (multiprocessing "spawn", or a fork of a preloaded server:
     see :func:`set_spawn_start_method`) with ``threads`` torch threads, joined through a
     FileStore in a temporary folder (no port to pick, so none to clash) on the loopback
-    interface; ``fn`` must be importable (a module-level function) and its result picklable.
+    interface, and a barrier after the group is made, so ``fn`` starts only once every worker
+    is connected; ``fn`` must be importable (a module-level function) and its result picklable.
     Results come back as pickle files (a queue would pass tensors by file descriptors that die
     with the worker). The call waits at most ``timeout`` seconds: a worker that hangs or dies
     raises :class:`SpawnError` with its rank and its traceback or exit status, after every
@@ -254,6 +260,11 @@ def _spawned(fn, rank: int, world_size: int, folder: str, args: tuple, pg_timeou
         dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
+        # Every worker's group is connected before any runs fn: gloo's full-mesh connect can
+        # finish on one worker before a peer has finished its own, and a worker that then
+        # raised at once and exited made that peer's init_process_group fail ("Connection
+        # closed by peer", seen in CI on a test where every worker raises the same error).
+        dist.barrier()
         payload = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - reported to the parent
         payload = ("error", traceback.format_exc())
