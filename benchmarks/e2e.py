@@ -12,7 +12,10 @@ attention), in training mode. PyG and DGL run the same models with the same weig
 above). Graphs: R-MAT (``ngra.datasets.rmat``, self loops removed, parallel edges kept) with 128
 standard-normal input features and 16 random classes; Coauthor CS (``ngra.datasets.load``, 6805
 features, 15 classes). An epoch is forward, cross-entropy over every vertex, backward and one
-Adam step (``zero_grad(set_to_none=True)`` included), full graph.
+Adam step (``zero_grad(set_to_none=True)`` included), full graph. The loss is each framework's
+as its users train: ``ngra.nn.cross_entropy`` for ngra (one pass over the logits; what ``ngra
+train`` runs; ``--torch-loss`` gives ngra torch's ``F.cross_entropy`` too), torch's for DGL and
+PyG.
 
 Processes: every (graph, framework, model) runs in a fresh process (DGL's with the interpreter of
 ``.venv-dgl``, torch 2.2.1), which loads the saved graph, features, labels and weights, builds the
@@ -213,6 +216,12 @@ def worker(spec_path):
     data = {k: np.load(d / f"{k}.npy") for k in ("src", "dst", "x", "y", "num_nodes")}
     x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["y"])
     model, forward, graph_seconds = _build(spec, data, x, y)
+    # each framework's loss as its users train with it: ngra's one-pass cross-entropy (what
+    # ``ngra train`` runs; --torch-loss for torch's), torch's for DGL and PyG
+    if spec["framework"] == "ngra" and not spec.get("torch_loss"):
+        from ngra.nn import cross_entropy
+    else:
+        cross_entropy = F.cross_entropy
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     loaded = _status("VmRSS")
@@ -225,7 +234,7 @@ def worker(spec_path):
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         out = forward()
-        loss = F.cross_entropy(out, y)
+        loss = cross_entropy(out, y)
         t1 = time.perf_counter()
         g = graph_seconds()
         del out
@@ -407,6 +416,8 @@ def main(argv=None):
     ap.add_argument("--datasets", default=str(ROOT.parent / "shared" / "datasets"))
     ap.add_argument("--dgl-python", default=str(ROOT / ".venv-dgl" / "bin" / "python"))
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
+    ap.add_argument("--torch-loss", action="store_true",
+                    help="ngra's epochs with torch's F.cross_entropy instead of ngra.nn.cross_entropy")
     ap.add_argument("--out", default=str(ROOT / "results" / "e2e"))
     args = ap.parse_args(argv)
     if args.worker:
@@ -453,7 +464,8 @@ def main(argv=None):
                 # slow spell of the machine does not fall on one of them only
                 for fw in (frameworks if rnd % 2 == 0 else frameworks[::-1]):
                     spec = {"framework": fw, "model": name, "data": str(work), "classes": st["C"],
-                            "epochs": args.epochs, "warmup": args.warmup}
+                            "epochs": args.epochs, "warmup": args.warmup,
+                            "torch_loss": args.torch_loss}
                     python = args.dgl_python if fw == "dgl" else sys.executable
                     r = run_worker(python, spec, work, args.timeout)
                     if "worker_gemm_rate" in r:

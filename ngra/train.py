@@ -34,8 +34,9 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+from kernels._loss import cross_entropy as _cross_entropy
 
 __all__ = ["HParams", "MODEL_DEFAULTS", "TrainConfig", "TrainResult", "EpochStats", "ConfigError",
            "CheckpointError", "fit", "run", "evaluate", "compile_model", "load_checkpoint",
@@ -442,7 +443,7 @@ def evaluate(model: torch.nn.Module, data, *, forward_kwargs: dict | None = None
             if ids.numel():
                 logits = out[ids]
                 sums[k, 0] = float((logits.argmax(1) == d.y[ids]).sum())
-                sums[k, 1] = float(F.cross_entropy(logits, d.y[ids], reduction="sum"))
+                sums[k, 1] = float(_cross_entropy(logits, d.y[ids], reduction="sum"))
                 sums[k, 2] = ids.numel()
         workers.allreduce_sum(sums)
         res = {}
@@ -458,7 +459,7 @@ def evaluate(model: torch.nn.Module, data, *, forward_kwargs: dict | None = None
             continue
         logits = out[ids]
         res[f"{split}_acc"] = float((logits.argmax(1) == d.y[ids]).float().mean())
-        res[f"{split}_loss"] = float(F.cross_entropy(logits, d.y[ids]))
+        res[f"{split}_loss"] = float(_cross_entropy(logits, d.y[ids]))
     return res
 
 
@@ -659,12 +660,12 @@ def fit(model: torch.nn.Module, data, *, epochs: int, lr: float, weight_decay: f
             optimizer.zero_grad(set_to_none=True)
             out = model(d.graph, d.x, **kwargs)
             if workers is None:
-                loss = F.cross_entropy(out[d.idx["train"]], d.y[d.idx["train"]])
+                loss = _cross_entropy(out[d.idx["train"]], d.y[d.idx["train"]])
                 loss.backward()
             else:
                 # Each worker's share of the mean over all training vertices; the summed
                 # gradients are then the single-process ones.
-                loss = F.cross_entropy(out[d.idx["train"]], d.y[d.idx["train"]],
+                loss = _cross_entropy(out[d.idx["train"]], d.y[d.idx["train"]],
                                        reduction="sum") / n_train
                 loss.backward()
                 sync_gradients(model)

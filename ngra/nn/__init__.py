@@ -9,8 +9,11 @@ Layers: :class:`GCNConv`, :class:`SAGEConv`, :class:`GATConv`, :class:`GINConv`,
 :class:`GatedGCNConv`, :class:`GGNNConv`, :class:`RGCNConv`, :class:`CommNetConv`.
 Models: :func:`build_model` (names in :data:`MODELS`). Mixture of experts: :class:`MoE` (Switch,
 GShard and Dense-To-Sparse gates) and :class:`MoEConv` (an MoE as ApplyVertex network); a small
-GPT for the dense experiments in :mod:`ngra.nn.transformer`.
+GPT for the dense experiments in :mod:`ngra.nn.transformer`. Loss: :func:`cross_entropy`
+(``F.cross_entropy`` in one pass over the logits on the CPU; ``ngra train`` uses it).
 """
+
+from kernels._loss import cross_entropy
 
 from .commnet import CommNetConv
 from .gat import GATConv
@@ -23,4 +26,4 @@ from .rgcn import RGCNConv
 from .sage import SAGEConv
 
 __all__ = ["GCNConv", "SAGEConv", "GATConv", "GINConv", "GatedGCNConv", "GGNNConv", "RGCNConv",
-           "CommNetConv", "MoE", "MoEConv", "GNN", "MODELS", "build_model"]
+           "CommNetConv", "MoE", "MoEConv", "GNN", "MODELS", "build_model", "cross_entropy"]
