@@ -10,8 +10,9 @@ for the mean) while the row is in registers; backward hands that gradient on (mu
 the incoming gradient unless it is exactly 1), so nothing else is allocated or read. The
 gradient comes from the output cache (warm pages).
 
-The forward pass computes the gradient although nobody may ask for it (evaluation runs under
-``torch.no_grad()``, where only the loss is computed). A second backward through the same graph
+The gradient is computed in the forward pass whenever autograd records it (logits that require
+grad, grad mode on), whether or not backward follows; under ``torch.no_grad()`` (evaluation) or
+for logits without grad only the loss is computed. A second backward through the same graph
 (``retain_graph=True``) recomputes it from the saved logits; a backward with
 ``create_graph=True`` builds it from differentiable torch ops. Anything else (a GPU, half
 precision, class weights, label smoothing, probability targets, more dimensions) is
