@@ -5,6 +5,7 @@ errors."""
 from __future__ import annotations
 
 import math
+import re
 
 import numba
 import pytest
@@ -159,7 +160,15 @@ def test_other_inputs_are_torchs_own():
     torch.testing.assert_close(cross_entropy(z, probs), F.cross_entropy(z, probs))
     z3, t3 = torch.randn(4, 5, 6), torch.randint(0, 5, (4, 6))
     torch.testing.assert_close(cross_entropy(z3, t3), F.cross_entropy(z3, t3))
-    torch.testing.assert_close(cross_entropy(z.half(), t), F.cross_entropy(z.half(), t))
+    zh = z.half()
+    assert not _loss.supported(zh, t)
+    try:
+        want = F.cross_entropy(zh, t)
+    except RuntimeError as e:  # torch 2.2 has no half nll_loss on the CPU: the same error
+        with pytest.raises(RuntimeError, match=re.escape(str(e))):
+            cross_entropy(zh, t)
+    else:
+        torch.testing.assert_close(cross_entropy(zh, t), want)
     empty = torch.zeros(0, 5, requires_grad=True)
     assert math.isnan(float(cross_entropy(empty.detach(), torch.zeros(0, dtype=torch.long))))
 
