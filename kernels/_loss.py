@@ -30,6 +30,7 @@ from numba import njit, prange
 
 from ._cpu.fastmath import _vexp
 from ._cpu.intrinsics import _fmax
+from ._dropout import _scalar
 from ._outcache import CACHE as _CACHE
 
 
@@ -106,10 +107,6 @@ def supported(logits, target, weight=None, label_smoothing=0.0) -> bool:
             and logits.shape[1] > 0 and target.dim() == 1 and target.shape[0] == logits.shape[0]
             and target.dtype in (torch.int64, torch.int32) and weight is None
             and not label_smoothing)
-
-
-def _scalar(v, dtype):
-    return np.float32(v) if dtype == torch.float32 else float(v)
 
 
 def _run(z: torch.Tensor, t: torch.Tensor, ignore: int, scale: float, per_row: bool,

@@ -70,16 +70,22 @@ def init_from_env(device: torch.device | str = "cpu", *, timeout: float = 300.0)
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                   info.world_size, is_master=False, timeout=limit)
             store = dist.PrefixStore(f"/ngra/attempt_{info.restart_count}", store)
-            dist.init_process_group(backend, store=store, rank=info.rank,
-                                    world_size=info.world_size, timeout=limit)
+            _join(backend, store=store, rank=info.rank, world_size=info.world_size,
+                  timeout=limit)
         else:
-            dist.init_process_group(backend, timeout=limit)
-        if backend == "gloo":
-            # Every worker connected before any goes on (see spawn: gloo's full-mesh connect
-            # can end on one worker before its peers, and one that then failed and left broke
-            # their init_process_group).
-            dist.barrier()
+            _join(backend, timeout=limit)
     return info
+
+
+def _join(backend: str, **kwargs) -> None:
+    """``dist.init_process_group(backend, **kwargs)``, and on gloo a barrier: every worker is
+    connected before any goes on. gloo's full-mesh connect can finish on one worker before a
+    peer has finished its own, and a worker that then failed at once and exited made that
+    peer's ``init_process_group`` fail ("Connection closed by peer", seen in CI on a test where
+    every worker raises the same error)."""
+    dist.init_process_group(backend, **kwargs)
+    if backend == "gloo":
+        dist.barrier()
 
 
 def wait_for_peers(*, timeout: float = 300.0) -> None:
@@ -257,14 +263,8 @@ def _spawned(fn, rank: int, world_size: int, folder: str, args: tuple, pg_timeou
     torch.set_num_threads(threads)
     out = Path(folder) / f"result.{rank}"
     try:
-        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
-        # Every worker's group is connected before any runs fn: gloo's full-mesh connect can
-        # finish on one worker before a peer has finished its own, and a worker that then
-        # raised at once and exited made that peer's init_process_group fail ("Connection
-        # closed by peer", seen in CI on a test where every worker raises the same error).
-        dist.barrier()
+        _join("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size,
+              timeout=datetime.timedelta(seconds=pg_timeout))
         payload = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - reported to the parent
         payload = ("error", traceback.format_exc())
