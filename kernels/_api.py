@@ -352,9 +352,13 @@ class _GSpMMNorm(torch.autograd.Function):
         g = grad_out.contiguous()
         gx = gb = None
         if ctx.needs_input_grad[2]:
-            # D_c (A + diag(a)) D_s transposed is D_s (A^T + diag(a)) D_c
-            gx = ctx.mod.spmm_norm(csr.transpose(), g, c, a if ctx.has_a else None, s, None)
-        if ctx.needs_input_grad[6]:
+            # D_c (A + diag(a)) D_s transposed is D_s (A^T + diag(a)) D_c; the bias gradient (g's
+            # column sums) comes from the same pass, which reads every row of g once
+            gx = ctx.mod.spmm_norm(csr.transpose(), g, c, a if ctx.has_a else None, s, None,
+                                   col_sum=ctx.needs_input_grad[6])
+            if ctx.needs_input_grad[6]:
+                gx, gb = gx
+        elif ctx.needs_input_grad[6]:
             gb = g.sum(0)
         return None, None, gx, None, None, None, gb
 

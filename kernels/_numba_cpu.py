@@ -274,12 +274,13 @@ def spmm_mul_grads(csr, g, u, e):
     return gu.reshape(u.shape), ge.reshape(e.shape)
 
 
-def spmm_norm(csr, x, s, a, c, b):
+def spmm_norm(csr, x, s, a, c, b, col_sum=False):
     """``c * (gspmm(copy_u, sum, s * x) + a * s * x) + b`` in one pass (:func:`_spmm_norm`):
     ``x`` [N, *f] on a square CSR, ``s``, ``a`` and ``c`` [N, 1] or None (no source scale, no
     self term, no destination scale), ``b`` [*f] or None, all of x's dtype (checked by the
     caller).
-    Returns [N, *f]."""
+    Returns [N, *f]; with ``col_sum``, also ``x.sum(0)`` [*f] from the same pass (per-part sums
+    in float64, added in part order, rounded once to x's dtype)."""
     _check_dtype(x, s, a, c, b)
     parts, _, _, _ = _arrays(csr)
     lo = math.prod(x.shape[1:])
@@ -289,12 +290,16 @@ def spmm_norm(csr, x, s, a, c, b):
     bptr, bind, _ = _blocked(csr, nblk)
     none = np.zeros((0, 1), dtype=U.dtype)
     out = _CACHE.empty((csr.num_dst, lo), x.dtype)
+    sums = np.zeros((parts.size - 1 if col_sum else 0, lo), dtype=np.float64)
     _launch(_spmm_norm, parts, bptr, nblk, bind, U, none if s is None else _flat(s, csr.num_src),
             none if a is None else _flat(a, csr.num_src),
             none if c is None else _flat(c, csr.num_dst),
             none[:, 0] if b is None else b.detach().reshape(lo).contiguous().numpy(),
-            out.numpy(), _EMPTY_OFF, _EMPTY_OFF, _prefetch_distance(row_bytes))
-    return out.reshape((csr.num_dst,) + tuple(x.shape[1:]))
+            out.numpy(), _EMPTY_OFF, _EMPTY_OFF, _prefetch_distance(row_bytes), sums)
+    out = out.reshape((csr.num_dst,) + tuple(x.shape[1:]))
+    if not col_sum:
+        return out
+    return out, torch.from_numpy(sums.sum(0)).to(x.dtype).reshape(x.shape[1:])
 
 
 def _block_positions(csr, nblk):

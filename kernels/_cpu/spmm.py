@@ -108,7 +108,7 @@ def _spmm_sum(parts, indptr, bptr, nblk, indices, eids, U, W, out, op, mode, inn
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf):
+def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf, SUM):
     """``out[v] = C[v] * (sum_{k: u -> v} S[u] U[u] + A[v] (S[v] U[v])) + B``: a g-SpMM whose
     sources are scaled by ``S`` [N, 1] on the fly (each edge's row times its source's scale, in
     the register tiles of u_mul_e with the weight read through the source index instead of the
@@ -118,7 +118,12 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf):
     to each row after its last block pass, while it is in cache. The graph is square (sources
     are destinations). Blocks as in :func:`_spmm_sum`; each row summed by one thread in CSR
     order, the terms rounded as ``S[u] * U[u]`` first: a copy_u g-SpMM of the pre-scaled rows
-    gives the same sums."""
+    gives the same sums.
+
+    ``SUM`` [parts, F] (float64 zeros, or empty for none): part ``p`` adds its rows of ``U`` into
+    ``SUM[p]`` in the epilogue, where each row is read anyway: the column sums of ``U`` (a
+    transposed pass's input is the output gradient, whose column sums are the bias gradient)
+    without another pass over it."""
     lo = out.shape[1]
     lu = U.shape[1]
     uline = max(1, 64 // U.itemsize)
@@ -127,6 +132,7 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf):
     has_a = A.shape[0] > 0
     has_b = B.shape[0] > 0
     has_c = C.shape[0] > 0
+    has_sum = SUM.shape[0] > 0
     for blk in range(nblk):
         base = blk * nd
         for p in prange(parts.size - 1):
@@ -143,6 +149,10 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf):
                 for v in range(r0, r1):
                     orow = out[v]
                     urow = U[v]
+                    if has_sum:
+                        srow = SUM[p]
+                        for f in range(lo):
+                            srow[f] += urow[f]
                     if has_a:
                         a = A[v, 0]
                         if has_s:

@@ -161,3 +161,35 @@ def test_mean_input_gradient_in_one_pass(monkeypatch, graph, nblk, feat):
     want = (A.t() @ (g.reshape(n, math.prod(feat)) / deg.reshape(n, 1))).reshape(x.shape)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("graph", SQUARE, ids=SQUARE_IDS)
+@pytest.mark.parametrize("nblk", [None, 3])
+@pytest.mark.parametrize("need_x", [True, False])
+def test_bias_gradient_from_the_transposed_pass(monkeypatch, graph, nblk, need_x):
+    """The bias gradient (the output gradient's column sums) comes from the transposed pass that
+    makes x's gradient, which reads every row of it once (``col_sum``), or from ``g.sum(0)``
+    where x needs no gradient; both equal the dense reference, in float32 as close as torch's
+    own float32 sum."""
+    monkeypatch.setattr(_numba_cpu, "_FORCE_BLOCKS", nblk)
+    calls = []
+    real = _numba_cpu.spmm_norm
+    monkeypatch.setattr(_numba_cpu, "spmm_norm",
+                        lambda *a, **kw: calls.append(kw.get("col_sum", False)) or real(*a, **kw))
+    n = graph[3]
+    x, s, c, a, b = _inputs(n, (2, 3), torch.float64, 21)
+    x.requires_grad_(need_x)
+    x32, s32, c32, a32, b32 = (t.detach().float().requires_grad_(t.requires_grad)
+                               for t in (x, s, c, a, b))
+    out = kernels.gspmm_norm(make_csr(graph), x32, s32, c32, a32, b32, backend="numba")
+    g = rand(tuple(out.shape), torch.float64, 22)
+    got = torch.autograd.grad(out, [x32, b32] if need_x else [b32], g.float())
+    assert calls == ([False, True] if need_x else [False])
+    want_b = g.sum(0)
+    torch.testing.assert_close(got[-1].double(), want_b, rtol=1e-6, atol=1e-6 * max(1, n))
+    torch_err = (g.float().sum(0).double() - want_b).abs().max()
+    assert (got[-1].double() - want_b).abs().max() <= torch_err + 1e-6
+    if need_x:
+        ref = dense_norm(graph, x, s, c, a, b)
+        want_x, = torch.autograd.grad(ref, [x], g)
+        torch.testing.assert_close(got[0].double(), want_x, rtol=1e-5, atol=1e-5)
