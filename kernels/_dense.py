@@ -11,9 +11,11 @@ training loop's [N, F] results reuse warm pages (``benchmarks/README.md``, e2e).
 
 A Linear whose input is the output of ``kernels._dropout.dropout`` (a model's dropout of its input
 features) keeps the dropout's input, which the caller keeps anyway, instead of its output, and
-its backward makes the dropout again 16 MiB of rows at a time for the weight gradient: an
-[N, in] tensor less from the forward to the end of backward (512 MiB for R-MAT's 1M x 128
-features; the e2e benchmark's peak RSS), and no [N, in] block to find in backward.
+its backward makes the dropout again for the weight gradient, a block of rows at a time (in the
+weight-gradient kernel ``kernels._dropout.weight_grads`` where it applies, else 16 MiB of rows
+at a time for torch's GEMMs): an [N, in] tensor less from the forward to the end of backward
+(512 MiB for R-MAT's 1M x 128 features; the e2e benchmark's peak RSS), and no [N, in] block to
+find in backward.
 
 :func:`call` is what ``ngra``'s interpreter calls for a traced module, function or method: the
 value through this module, or ``NotImplemented`` where it does not apply. It applies to plain
@@ -186,7 +188,13 @@ def _weight_grad_dropped(x: torch.Tensor, p: float, seed: int, rows, g: torch.Te
 def _weight_grads_dropped(x: torch.Tensor, p: float, seed: int, rows, gs) -> list:
     """:func:`_weight_grad_dropped` for several gradients ``gs`` of Linears sharing the dropout
     ``x``: the dropout made again once for all of them, each chunk's products for every ``g``
-    while the chunk is in cache."""
+    while the chunk is in cache. Where it applies (float32, gradients 16 to 192 wide in all, the
+    whole tensor's dropout), one numba kernel makes the dropout again a block of rows at a time
+    and takes the products in register tiles (``kernels._dropout.weight_grads``)."""
+    if rows is None:
+        fused = _dropout.weight_grads(x, p, seed, gs)
+        if fused is not None:
+            return fused
     wide = [_wide(x, g) for g in gs]
     accs = [_accumulator(x.shape[1], g.shape[1], w, g.dtype) for g, w in zip(gs, wide)]
     for r0, r1, xd in _dropout.chunks(x, p, seed, rows):

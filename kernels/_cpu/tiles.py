@@ -6,7 +6,8 @@ _tile_maxmin) that hold a row tile's partial sums, or running extremes and winni
 vector registers across the row's edges; the max/min gradient w.r.t. u reuses _tile_sum with the
 recorded winner bits as lane masks, and both gradients of u_mul_e/sum with one weight per edge come
 from _tile_mul_grad. They share the ``_ir_*`` helpers, :class:`_IRGather` and :class:`_IREdge`.
-:func:`_dot` is the g-SDDMM's dot product over a whole row.
+:func:`_dot` is the g-SDDMM's dot product over a whole row; :func:`_outer_tile` a register tile
+of a weight gradient's GEMM (``kernels._dropout``'s weight gradient through a dropout).
 
 Kernels in other modules compile this one's code in, and numba's disk cache does not see
 edits here: see the package docstring.
@@ -644,6 +645,64 @@ def _tile_mul_grad(typingctx, G, ids, W, wids, U, s, GE, beg, end, GU, pf, pend,
         with builder.if_then(builder.icmp_signed("<", beg_, end_)):
             n = cgutils.unpack_tuple(builder, gua.shape)[1]
             _ir_tiles(builder, intp, isz, n, tile)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _outer_tile(typingctx, X, G, nrows, k0, j0, T, KT, JT):
+    """``T[i, j] = sum over r < nrows of X[r, k0 + i] * G[r, j0 + j]`` for ``i < KT``, ``j <
+    JT``: a register tile of ``X^T G`` (a weight gradient's GEMM over a block of rows). ``KT``
+    and ``JT`` are compile-time integers, ``JT`` a multiple of a 32-byte vector's lanes; X, G
+    and T have unit strides along their rows (T holds at least KT rows of JT items).
+
+    The ``KT x JT`` sums stay in vector registers over the whole row loop (4 x 16 float32: 8
+    AVX2 registers, 2 for the G row and 1 for the broadcast X item), each row costing JT / lanes
+    vector loads of G, KT broadcasts of X and KT * JT / lanes fused multiply-adds; numba's own
+    loops keep such sums in memory (a load and a store per multiply-add). Each lane adds its
+    rows one by one in row order, rounding once per row (fma)."""
+    if not (isinstance(KT, types.IntegerLiteral) and isinstance(JT, types.IntegerLiteral)):
+        return None
+    if not all(isinstance(a, types.Array) and a.ndim == 2 for a in (X, G, T)):
+        return None
+    kt, jt = KT.literal_value, JT.literal_value
+    sig = types.void(X, G, nrows, k0, j0, T, KT, JT)
+
+    def codegen(context, builder, sig, args):
+        intp = context.get_value_type(types.intp)
+        fty = context.get_data_type(sig.args[0].dtype)
+        isz = context.get_abi_sizeof(fty)
+        lanes = 32 // isz
+        assert jt % lanes == 0, "JT must be a multiple of a 32-byte vector's lanes"
+        vty = ir.VectorType(fty, lanes)
+        xa, ga, ta = [context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 5)]
+        n, kk, jj = [context.cast(builder, args[i], sig.args[i], types.intp) for i in (2, 3, 4)]
+        xrow0 = builder.gep(_ir_bytes(builder, xa), [builder.mul(kk, intp(isz))])
+        grow0 = builder.gep(_ir_bytes(builder, ga), [builder.mul(jj, intp(isz))])
+        xs = cgutils.unpack_tuple(builder, xa.strides)[0]
+        gs = cgutils.unpack_tuple(builder, ga.strides)[0]
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vty, [vty] * 3), f"llvm.fma.v{lanes}f{isz * 8}")
+        zero = ir.Constant(vty, [0.0] * lanes)
+        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(jt // lanes)]
+                for _ in range(kt)]
+        with cgutils.for_range(builder, n, intp=intp) as loop:
+            xrow = builder.gep(xrow0, [builder.mul(loop.index, xs)])
+            grow = builder.gep(grow0, [builder.mul(loop.index, gs)])
+            gv = [builder.load(_ir_ptr(builder, grow, intp(q * 32), vty), align=isz)
+                  for q in range(jt // lanes)]
+            for i in range(kt):
+                a = _ir_splat(builder, builder.load(_ir_ptr(builder, xrow, intp(i * isz), fty)),
+                              lanes)
+                for q, acc in enumerate(accs[i]):
+                    builder.store(builder.call(fma, [a, gv[q], builder.load(acc)]), acc)
+        tbase, ts = _ir_bytes(builder, ta), cgutils.unpack_tuple(builder, ta.strides)[0]
+        for i in range(kt):
+            trow = builder.gep(tbase, [builder.mul(intp(i), ts)])
+            for q, acc in enumerate(accs[i]):
+                builder.store(builder.load(acc), _ir_ptr(builder, trow, intp(q * 32), vty),
+                              align=isz)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -271,21 +271,43 @@ def _global_rows(n, seed=8):
     return torch.randperm(3 * n, generator=torch.Generator().manual_seed(seed))[:n]
 
 
+def _spy_remade(_dropout, monkeypatch, kernel):
+    """Count the passes that make a dropout again for a weight gradient: ``(chunks, kernel)``
+    lists, one item per pass through ``_dropout.chunks`` (torch's GEMMs) and per call of the
+    one-kernel ``_dropout.weight_grads`` that took it. ``kernel`` False: the kernel never
+    applies (its width limit 0)."""
+    chunked, fused = [], []
+    orig_chunks, orig_kernel = _dropout.chunks, _dropout.weight_grads
+    monkeypatch.setattr(_dropout, "chunks", lambda *a: chunked.append(1) or orig_chunks(*a))
+
+    def spy(*a):
+        got = orig_kernel(*a)
+        if got is not None:
+            fused.append(1)
+        return got
+    monkeypatch.setattr(_dropout, "weight_grads", spy)
+    if not kernel:
+        monkeypatch.setattr(_dropout, "WG_MAX_WIDTH", 0)
+    return chunked, fused
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("out_features", [64, 4])  # both orientations of the weight gradient
 @pytest.mark.parametrize("piece", [False, True])  # a worker's rows, masked by their global ids
-def test_linear_of_a_dropout_makes_it_again_in_chunks(dtype, out_features, piece, monkeypatch):
+@pytest.mark.parametrize("kernel", [False, True])  # chunks and torch's GEMMs, or one kernel
+def test_linear_of_a_dropout_makes_it_again(dtype, out_features, piece, kernel, monkeypatch):
     """The dropout's output is not kept for the weight gradient (it is freed with its last
-    reference): backward makes it again a few rows at a time (forced to many chunks here, the
-    last one short), and the gradients equal torch's Linear on the same dropout output."""
+    reference): backward makes it again a few rows at a time, in chunks for torch's GEMMs
+    (forced to many here, the last one short) or, for float32 gradients at least 16 wide of the
+    whole tensor's dropout, in one kernel (kernels._dropout.weight_grads); the gradients equal
+    torch's Linear on the same dropout output."""
     # a result of at least 1 MiB, which the cached Linear takes
     _dropout, x, w, b = _dropped(dtype, rows=(N + 37) * 64 // out_features)
     w = w[:out_features].detach().requires_grad_()
     b = b[:out_features].detach().requires_grad_()
     monkeypatch.setattr(_dropout, "CHUNK_BYTES", x.shape[0] // 5 * 48 * x.element_size())
-    made = []
-    orig = _dropout.chunks
-    monkeypatch.setattr(_dropout, "chunks", lambda *a: made.append(1) or orig(*a))
+    made, fused = _spy_remade(_dropout, monkeypatch, kernel)
+    in_kernel = kernel and dtype == torch.float32 and out_features >= 16 and not piece
     h = _dropout.dropout(x, 0.5, 1234, _global_rows(x.shape[0]) if piece else None)
     ref = h.detach().clone()
     gone = weakref.ref(h)
@@ -294,7 +316,7 @@ def test_linear_of_a_dropout_makes_it_again_in_chunks(dtype, out_features, piece
     assert gone() is None  # nothing kept it
     g = torch.randn(out.shape, dtype=dtype, generator=torch.Generator().manual_seed(5))
     gw, gb = torch.autograd.grad(out, (w, b), g)
-    assert made == [1]
+    assert (made, fused) == (([], [1]) if in_kernel else ([1], []))
     want_out, (want_gw, want_gb) = _grads(F.linear, [ref, w, b], seed=5)
     assert torch.equal(out.detach(), want_out)
     _close(gw, want_gw)
@@ -323,9 +345,7 @@ def test_linear_keeps_a_dropout_output_changed_in_place(monkeypatch):
     """An in-place change of the dropout's output (or of its input) after the dropout: the
     recipe no longer holds, the Linear keeps its input as usual, the gradients follow it."""
     _dropout, x, w, b = _dropped(torch.float32)
-    made = []
-    orig = _dropout.chunks
-    monkeypatch.setattr(_dropout, "chunks", lambda *a: made.append(1) or orig(*a))
+    made, fused = _spy_remade(_dropout, monkeypatch, True)
     for change in ("output", "input"):
         h = _dropout.dropout(x, 0.5, 7)
         if change == "output":
@@ -338,7 +358,7 @@ def test_linear_keeps_a_dropout_output_changed_in_place(monkeypatch):
         got = _grads(_dense.linear, [h, w, b], seed=2)
         want = _grads(F.linear, [ref, w, b], seed=2)
         _close(got[1][0], want[1][0])
-    assert made == []
+    assert made == [] and fused == []
 
 
 def test_linear_of_a_dropout_second_derivatives():
@@ -418,19 +438,19 @@ def test_linear_group_second_derivatives_match_torch():
 
 
 @pytest.mark.parametrize("out_features", [64, 4])
-def test_linear_group_of_a_dropout_makes_it_again_once(out_features, monkeypatch):
+@pytest.mark.parametrize("kernel", [False, True])
+def test_linear_group_of_a_dropout_makes_it_again_once(out_features, kernel, monkeypatch):
     _dropout, x, w, b = _dropped(torch.float32, rows=(N + 37) * 64 // out_features)
     w1 = w[:out_features].detach().requires_grad_()
     w2 = (w[:out_features] * 2).detach().requires_grad_()
     b2 = b[:out_features].detach().requires_grad_()
     monkeypatch.setattr(_dropout, "CHUNK_BYTES", x.shape[0] // 5 * 48 * x.element_size())
-    made = []
-    orig = _dropout.chunks
-    monkeypatch.setattr(_dropout, "chunks", lambda *a: made.append(1) or orig(*a))
+    made, fused = _spy_remade(_dropout, monkeypatch, kernel)
     h = _dropout.dropout(x, 0.5, 1234)
     ref = h.detach().clone()
     outs, grads = _group_grads(_grouped, [h, w1, None, w2, b2], (0, 1))
-    assert made == [1]  # one pass over the dropout made again, for both weight gradients
+    # one pass over the dropout made again, for both weight gradients
+    assert (made, fused) == (([], [1]) if kernel and out_features >= 16 else ([1], []))
     want_outs, want_grads = _group_grads(_separate, [ref, w1, None, w2, b2], (0, 1))
     assert all(torch.equal(o, r) for o, r in zip(outs, want_outs))
     for got, want in zip(grads, want_grads):

@@ -193,3 +193,57 @@ def test_gnn_fuses_elu_and_dropout_between_gat_layers(monkeypatch):
     # edges into each weight's gradient: compared at the scale of each gradient
     for a, b in zip(grads, grads2):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4 * float(b.abs().max()))
+
+
+# -- a Linear's weight gradient through the dropout, in one kernel ---------------------------------
+# (rows, in features, gradient widths): whole blocks of rows and a short last one, a single short
+# block, in-widths that are and are not multiples of the 4-feature tiles, gradients that are and
+# are not multiples of the 16-column tiles, two gradients side by side
+@pytest.mark.parametrize("rows,width,outs", [
+    (1000, 128, (64,)), (1037, 130, (17, 64)), (5, 7, (16,)), (300, 3, (33,)),
+    (257, 48, (16, 16)), (128, 4, (192,))])
+def test_weight_grads_kernel_equals_the_dense_product(rows, width, outs):
+    """``weight_grads`` gives ``g^T dropout(x)`` per gradient: checked against the product of the
+    dropout (the kernel this one makes again, bit for bit) and ``g`` in float64, within a few
+    float32 roundings of the largest sum (the kernel sums 128 rows at a time in float32)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, width, generator=gen)
+    gs = [torch.randn(rows, j, generator=gen) for j in outs]
+    xd = _dropout.dropout(x, 0.4, 4321).double()
+    got = _dropout.weight_grads(x, 0.4, 4321, gs)
+    assert got is not None and len(got) == len(gs)
+    for g, w in zip(gs, got):
+        want = g.double().t() @ xd
+        assert w.shape == (g.shape[1], width) and w.dtype == torch.float32 and w.is_contiguous()
+        torch.testing.assert_close(w.double(), want, rtol=0,
+                                   atol=1e-6 * float(want.abs().max()) + 1e-6)
+        # the mask is the dropout's: a product with a differently seeded mask is far off
+        other = g.double().t() @ _dropout.dropout(x, 0.4, 4322).double()
+        assert float((w.double() - other).abs().max()) > 1e-3 * float(want.abs().max())
+
+
+def test_weight_grads_kernel_is_the_same_for_any_thread_count():
+    import numba
+    gen = torch.Generator().manual_seed(2)
+    x, g = torch.randn(3000, 20, generator=gen), torch.randn(3000, 32, generator=gen)
+    before = numba.get_num_threads()
+    try:
+        got = []
+        for n in sorted({1, before}):
+            numba.set_num_threads(n)
+            got.append(_dropout.weight_grads(x, 0.5, 11, [g])[0])
+    finally:
+        numba.set_num_threads(before)
+    # float64 sums of the same per-block sums, in another grouping: equal once rounded to float32
+    torch.testing.assert_close(got[0], got[-1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["float64", "narrow", "too wide", "rows differ", "none", "1-d"])
+def test_weight_grads_kernel_declines_what_it_does_not_take(case):
+    """None (the caller then takes chunks() and torch's GEMMs) for float64, a gradient under 16
+    columns, more than WG_MAX_WIDTH columns in all, mismatched rows, no gradient, a 1-D x."""
+    x, g = torch.randn(50, 8), torch.randn(50, 16)
+    args = {"float64": (x.double(), [g.double()]), "narrow": (x, [g[:, :15]]),
+            "too wide": (x, [torch.randn(50, _dropout.WG_MAX_WIDTH + 1)]),
+            "rows differ": (x, [g[:49]]), "none": (x, []), "1-d": (x[:, 0], [g])}[case]
+    assert _dropout.weight_grads(args[0], 0.5, 1, args[1]) is None
