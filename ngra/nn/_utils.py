@@ -122,20 +122,24 @@ def one_kernel_applies(layer, g, x) -> bool:
 
 class _OneKernelNode:
     """What ``ngra.profile`` records for a one-kernel path (an IR node's fields)."""
-    name = op = "gspmm_norm"
-    stage = "Gather"
-    domain = "vertex"
+    def __init__(self, op: str, stage: str):
+        self.name = self.op = op
+        self.stage = stage
+        self.domain = "edge" if stage == "ApplyEdge" else "vertex"
 
 
-_ONE_KERNEL_NODE = _OneKernelNode()
+_ONE_KERNEL_NODES: dict = {}
 
 
-def run_one_kernel(layer, run):
-    """``run()``, timed as a Gather node ``gspmm_norm`` of ``layer`` by ``ngra.profile.stages()``
+def run_one_kernel(layer, run, op: str = "gspmm_norm", stage: str = "Gather"):
+    """``run()``, timed as a ``stage`` node ``op`` of ``layer`` by ``ngra.profile.stages()``
     when a profile is open."""
     from .. import profile
     prof = profile.current()
-    return run() if prof is None else profile.timed(prof, layer, _ONE_KERNEL_NODE, run)
+    if prof is None:
+        return run()
+    node = _ONE_KERNEL_NODES.setdefault((op, stage), _OneKernelNode(op, stage))
+    return profile.timed(prof, layer, node, run)
 
 
 class _Derived:

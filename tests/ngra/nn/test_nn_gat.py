@@ -209,3 +209,81 @@ def test_layers_share_the_graph_with_self_loops():
     del model, first, second, shared
     gc.collect()
     assert key not in _utils._SHARED
+
+
+# -- the attention in one kernel each way (kernels._attention) -----------------------------------
+def _fused_and_program(layer, g, x, seed=7):
+    """Output and gradients (x, then every parameter) of the layer's call with ``fuse`` True and
+    with the compiled program, each run from the same RNG seed; and the ops the fused call's
+    profile recorded."""
+    results, ops = [], None
+    probe = None
+    for fuse in (True, False):
+        layer.fuse = fuse
+        xi = x.detach().clone().requires_grad_()
+        torch.manual_seed(seed)
+        with ngra.profile.stages() as prof:
+            out = layer(g, xi)
+        if fuse:
+            ops = [r.op for r in prof.records]
+        if probe is None:
+            probe = torch.randn(out.shape, dtype=out.dtype,
+                                generator=torch.Generator().manual_seed(3))
+        grads = torch.autograd.grad((out * probe).sum(), [xi] + list(layer.parameters()))
+        results.append((out.detach(), grads))
+    layer.fuse = True
+    return results, ops
+
+
+@pytest.mark.parametrize("graph", FUSE_GRAPHS)
+@pytest.mark.parametrize("heads, concat, dropout, dtype", [
+    (2, True, 0.0, torch.float32), (4, True, 0.6, torch.float32), (1, True, 0.5, torch.float64),
+    (3, False, 0.3, torch.float64)])
+def test_one_kernel_attention_equals_the_program(graph, heads, concat, dropout, dtype):
+    """The fused path (projections, kernels._attention, one g-SpMM) gives the program's output
+    bit for bit (the same operations in the same order, the attention dropout drawn from the
+    same seed with the same mask) and its gradients up to rounding (the gradient of the source
+    scores is summed in another order)."""
+    g = make_graph(graph)
+    layer = GATConv(4, 3, heads=heads, concat=concat, dropout=dropout, negative_slope=0.15)
+    layer = layer.to(dtype).train()
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(g.num_nodes, 4, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    ((out, grads), (want, want_grads)), ops = _fused_and_program(layer, g, x)
+    assert ops == ["gat_attention", "gspmm"]  # the fused path ran
+    assert torch.equal(out, want)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    for got, exp in zip(grads, want_grads):
+        torch.testing.assert_close(got, exp, **tol)
+
+
+def test_one_kernel_attention_dropout_differs_per_call_and_not_in_eval():
+    g = make_graph("random")
+    layer = GATConv(4, 3, heads=2, dropout=0.5).train()
+    x = torch.randn(g.num_nodes, 4)
+    a, b = layer(g, x), layer(g, x)
+    assert not torch.equal(a, b)  # a fresh seed per call
+    layer.eval()
+    ((out, _), (want, _)), ops = _fused_and_program(layer, g, x)
+    assert ops == ["gat_attention", "gspmm"] and torch.equal(out, want)
+    assert torch.equal(layer(g, x), out)  # no dropout in eval: the same every call
+
+
+def test_one_kernel_attention_falls_back_to_the_program(monkeypatch):
+    """Without self loops (the input graph's own edge order), in eager mode, or with ``fuse``
+    False, the layer runs its compiled program (the same values), not the attention kernel."""
+    from kernels import _attention
+    calls = []
+    real = _attention.attention
+    monkeypatch.setattr(_attention, "attention", lambda *a: calls.append(1) or real(*a))
+    g = make_graph("random")
+    x = torch.randn(g.num_nodes, 4)
+    unfused = GATConv(4, 3, heads=2)
+    unfused.fuse = False
+    for layer, ctx in ((GATConv(4, 3, heads=2, add_self_loops=False), contextlib.nullcontext()),
+                       (GATConv(4, 3, heads=2), ngra.eager()), (unfused, contextlib.nullcontext())):
+        with ctx:
+            out = layer(g, x)
+        assert calls == [] and out.shape == (g.num_nodes, 6)
+    GATConv(4, 3, heads=2)(g, x)
+    assert calls == [1]  # the spy sees the fused path where it applies
