@@ -27,8 +27,7 @@ ngra`` sets) and glibc's default allocator settings.
 
 - **Time**: the fastest timed epoch, with its phases: *forward graph* is the time inside the
   frameworks' message-passing kernels (ngra: the g-SpMM / g-SDDMM / edge-softmax / gather /
-  scatter nodes of its IR and its layers' one-kernel paths (GCN's ``gspmm_norm``, GAT's
-  ``gat_attention``), timed by ``ngra.profile.stages()``; DGL: ``update_all``,
+  scatter nodes of its IR, timed by ``ngra.profile.stages()``; DGL: ``update_all``,
   ``apply_edges``, ``edge_softmax``; PyG: ``MessagePassing.propagate`` and ``edge_updater``,
   which include the message and aggregation code), *forward dense* the rest of the forward and
   the loss (linear layers, activations, dropout, normalisation, self loops), *backward*
@@ -94,7 +93,7 @@ HIDDEN, GAT_HEADS, FEATURES, CLASSES = 64, 4, 128, 16
 GAT_HIDDEN = HIDDEN // GAT_HEADS
 SIZES = {"full": (1 << 20, 16 << 20), "quick": (1 << 16, 1 << 20), "tiny": (2000, 16000)}
 ITEM, IDX = 4, 4  # float32 features, int32 indices
-GRAPH_OPS = {"gspmm", "gsddmm", "edge_softmax", "gather", "scatter", "gspmm_norm", "gat_attention"}
+GRAPH_OPS = {"gspmm", "gsddmm", "edge_softmax", "gather", "scatter", "gspmm_norm"}
 
 
 # =================================================================================================

@@ -171,11 +171,6 @@ def _to_int64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def edge_state(seed: int) -> int:
-    """The mixed seed (a signed int64) from which :func:`edge_dropout` hashes its mask."""
-    return _to_int64(int(_splitmix64(torch.tensor(seed, dtype=torch.int64)).item()))
-
-
 def edge_dropout(x: torch.Tensor, p: float, seed: int, edge_ids: torch.Tensor | None,
                  inplace: bool = False) -> torch.Tensor:
     """Dropout of an edge value ``x`` [R, ...] whose rows are the edges ``edge_ids`` [R] (global
@@ -187,7 +182,7 @@ def edge_dropout(x: torch.Tensor, p: float, seed: int, edge_ids: torch.Tensor | 
     if p == 1:
         return x.mul_(0) if inplace else x * 0
     row = math.prod(x.shape[1:])
-    state = edge_state(seed)
+    state = _to_int64(int(_splitmix64(torch.tensor(seed, dtype=torch.int64)).item()))
     threshold = _dropout_kernel._threshold(p)
     if not inplace and _dropout_kernel.supported(x) and (
             edge_ids is None or edge_ids.dtype in (torch.int32, torch.int64)):

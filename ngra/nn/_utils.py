@@ -122,24 +122,20 @@ def one_kernel_applies(layer, g, x) -> bool:
 
 class _OneKernelNode:
     """What ``ngra.profile`` records for a one-kernel path (an IR node's fields)."""
-    def __init__(self, op: str, stage: str):
-        self.name = self.op = op
-        self.stage = stage
-        self.domain = "edge" if stage == "ApplyEdge" else "vertex"
+    name = op = "gspmm_norm"
+    stage = "Gather"
+    domain = "vertex"
 
 
-_ONE_KERNEL_NODES: dict = {}
+_ONE_KERNEL_NODE = _OneKernelNode()
 
 
-def run_one_kernel(layer, run, op: str = "gspmm_norm", stage: str = "Gather"):
-    """``run()``, timed as a ``stage`` node ``op`` of ``layer`` by ``ngra.profile.stages()``
+def run_one_kernel(layer, run):
+    """``run()``, timed as a Gather node ``gspmm_norm`` of ``layer`` by ``ngra.profile.stages()``
     when a profile is open."""
     from .. import profile
     prof = profile.current()
-    if prof is None:
-        return run()
-    node = _ONE_KERNEL_NODES.setdefault((op, stage), _OneKernelNode(op, stage))
-    return profile.timed(prof, layer, node, run)
+    return run() if prof is None else profile.timed(prof, layer, _ONE_KERNEL_NODE, run)
 
 
 class _Derived:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..graph import Graph
 from ._utils import Conv, check_bool, check_features, check_float, check_graph, check_int, \
-    check_prob, glorot_, one_kernel_applies, run_one_kernel
+    check_prob, glorot_
 
 __all__ = ["GATConv"]
 
@@ -51,19 +51,9 @@ class GATConv(Conv):
     [N, H*C] projection with the [H, H*C] block-diagonal matrix of ``a`` (rather than ``(z *
     a).sum(-1)``, which makes an [N, H, C] product each way: on R-MAT 1M x 64 a fresh 256 MiB
     tensor per use).
-
-    Where nothing needs the program (self loops added, an in-memory graph, outside
-    ``ngra.Engine`` and ``ngra.eager``, float features on the CPU), the layer runs the same
-    projections, then the score, LeakyReLU, edge softmax and attention dropout as one kernel
-    each way (``kernels._attention``), then the g-SpMM: the program's values (the same dropout
-    mask from the same seed), without its [E, H] intermediates. ``fuse = False`` always runs
-    the program.
     """
 
     gather = "sum"
-    #: run the attention in one kernel each way where it applies (see ``_fused``); False always
-    #: runs the compiled program, e.g. to see its SAGA stages in ``ngra.profile.stages()``
-    fuse: bool = True
 
     def __init__(self, in_channels: int, out_channels: int, *, heads: int = 8, concat: bool = True,
                  negative_slope: float = 0.2, dropout: float = 0.0, add_self_loops: bool = True,
@@ -111,46 +101,7 @@ class GATConv(Conv):
         return g, {"h": x}, {}
 
     def forward(self, g: Graph, x: torch.Tensor):
-        if self.fuse and self.add_self_loops and one_kernel_applies(self, g, x):
-            out = self._fused(g, x)
-            if out is not None:
-                return out
         return self.propagate(*self.prepare(g, x))
-
-    # -- the fused path -----------------------------------------------------------------------
-    def _fused(self, g: Graph, x: torch.Tensor):
-        """The vertex program's value with the attention in one kernel each way
-        (``kernels._attention``: scores, LeakyReLU, edge softmax and the attention's dropout,
-        the same mask from the same seed) between the projections and one ``gspmm[u_mul_e,
-        sum]``; None where that kernel does not apply (then the program runs). The program
-        writes four [E, H] tensors forward and keeps three for backward; this path writes one
-        and keeps none but the g-SpMM's. Timed by ``ngra.profile.stages()`` as an ApplyEdge
-        node ``gat_attention`` and a Gather node ``gspmm``."""
-        import kernels
-        from kernels import _attention, _dense
-        from .. import executor
-
-        check_graph(type(self).__name__, g)
-        check_features(type(self).__name__, x, g, self.in_channels)
-        gl = self._derived("self_loops", g, _with_self_loops)
-        csr = gl.in_csr()
-        if not _attention.graph_applies(csr):
-            return None
-        H, C = self.heads, self.out_channels
-        z = _dense.call_module(self.lin, x)                                          # [N, H*C]
-        el, er = _dense.linear_group(
-            z, (self._head_blocks * self.att_src.reshape(1, H * C), None),
-            (self._head_blocks * self.att_dst.reshape(1, H * C), None))               # [N, H]
-        drop = None
-        if self.dropout > 0 and self.training:  # one seed, drawn as the program draws it
-            drop = (self.dropout, executor.edge_state(executor.draw_seeds(1)[0]),
-                    getattr(gl, "edge_ids", None))  # the program's mask: by these edge ids
-        alpha = run_one_kernel(self, lambda: _attention.attention(
-            csr, el, er, self.negative_slope, drop), op="gat_attention", stage="ApplyEdge")
-        acc = run_one_kernel(self, lambda: kernels.gspmm(
-            csr, "u_mul_e", "sum", z.view(-1, H, C), alpha.unsqueeze(-1)),
-            op="gspmm", stage="Gather")                                              # [N, H, C]
-        return self._vertex_out(acc)
 
     def apply_edge(self, e):
         H, C = self.heads, self.out_channels
@@ -164,9 +115,6 @@ class GATConv(Conv):
         return z_src * alpha.unsqueeze(-1)                                          # [E, H, C]
 
     def apply_vertex(self, v, acc):
-        return self._vertex_out(acc)
-
-    def _vertex_out(self, acc):
         if self.concat or self.heads == 1:  # the mean of one head is that head: no copy
             out = acc.reshape(-1, self.heads * self.out_channels)
         else:
