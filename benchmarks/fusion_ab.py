@@ -2,11 +2,16 @@
 
     .venv/bin/python benchmarks/fusion_ab.py --model gcn            # R-MAT 1M / 16M (e2e.py's graph)
     .venv/bin/python benchmarks/fusion_ab.py --model sage --scale 16 --edges 1000000
+    .venv/bin/python benchmarks/fusion_ab.py --model gcn --fusion weight-grad
 
-Two fusions are switched together: GCNConv's one-kernel path (``kernels.gspmm_norm``: the self
-loop, both normalizations and the bias in the g-SpMM's pass, and its own gradient) and
-``ngra.nn.GNN``'s ReLU + dropout between layers (``kernels._dropout.relu_dropout``). "off" runs
-the compiled vertex program and ``dropout(relu(x))``: the same values and gradients.
+``--fusion layers`` (the default) switches two fusions together: GCNConv's one-kernel path
+(``kernels.gspmm_norm``: the self loop, both normalizations and the bias in the g-SpMM's pass,
+and its own gradient) and ``ngra.nn.GNN``'s ReLU + dropout between layers
+(``kernels._dropout.relu_dropout``). "off" runs the compiled vertex program and
+``dropout(relu(x))``: the same values and gradients. ``--fusion weight-grad`` switches the
+weight gradient of the Linear reading the input dropout between one kernel
+(``kernels._dropout.weight_grads``, "on") and the dropout made again in chunks for torch's GEMMs
+("off"): the same sums, grouped otherwise.
 
 A whole-epoch comparison across processes on a shared machine swings by 20-40%; here the two
 settings take turns epoch by epoch (off/on, then on/off) in one process, on one graph, model
@@ -31,6 +36,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(H
 import ngra  # noqa: E402  (before torch: sets the OpenMP wait policy)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from kernels import _dropout  # noqa: E402
 from ngra.nn import GCNConv, build_model, models  # noqa: E402
 
 
@@ -44,6 +50,8 @@ def main(argv=None):
     ap.add_argument("--scale", type=int, default=20, help="R-MAT vertices = 2**scale")
     ap.add_argument("--edges", type=int, default=16 << 20)
     ap.add_argument("--rounds", type=int, default=8, help="timed (off, on) pairs")
+    ap.add_argument("--fusion", default="layers", choices=["layers", "weight-grad"],
+                    help="what is switched (see the module docstring)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1 (got {args.rounds})")
@@ -58,8 +66,12 @@ def main(argv=None):
     g.in_csr()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     fused_gcn, fused_act = GCNConv._fusable, models._act_dropout
+    wg_width = _dropout.WG_MAX_WIDTH
 
     def setting(on: bool):
+        if args.fusion == "weight-grad":
+            _dropout.WG_MAX_WIDTH = wg_width if on else 0
+            return
         GCNConv._fusable = fused_gcn if on else (lambda *a: False)
         models._act_dropout = fused_act if on else _plain_act_dropout
 
@@ -74,7 +86,7 @@ def main(argv=None):
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         return t1 - t0, r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
 
-    print(f"R-MAT N={n:,} E={g.num_edges:,}, {args.model}, {args.rounds} rounds")
+    print(f"R-MAT N={n:,} E={g.num_edges:,}, {args.model}, fusion {args.fusion}, {args.rounds} rounds")
     res = {False: [], True: []}
     try:
         for on in (False, True):  # warm-up: JIT, caches
@@ -86,6 +98,7 @@ def main(argv=None):
                 res[on].append(epoch())
     finally:
         setting(True)
+        _dropout.WG_MAX_WIDTH = wg_width
     med = {on: [statistics.median(e[i] for e in res[on]) for i in range(3)] for on in res}
     for on in (False, True):
         w, u, s = med[on]

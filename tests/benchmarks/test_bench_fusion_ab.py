@@ -12,11 +12,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_fusion_ab_tiny():
+@pytest.mark.parametrize("fusion", ["layers", "weight-grad"])
+def test_fusion_ab_tiny(fusion):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fusion_ab.py"), "--model", "gcn",
-                          "--scale", "10", "--edges", "8000", "--rounds", "2"],
+                          "--scale", "10", "--edges", "8000", "--rounds", "2", "--fusion", fusion],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
+    assert f"fusion {fusion}, 2 rounds" in res.stdout
     for label in ("off", "on "):
         m = re.search(rf"fusions {label}: median epoch ([0-9.]+) s .*epochs ([0-9. ]+)", res.stdout)
         assert m and float(m.group(1)) > 0 and len(m.group(2).split()) == 2, res.stdout
