@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 import torch
 from numba import njit, prange
@@ -175,17 +176,13 @@ WG_MAX_WIDTH = 192
 @njit(inline="always")
 def _dropout_block(src, buf, base, seed, threshold, scale):
     """``buf[i] = dropout(src)[i]`` for the elements ``base ..`` of a flat tensor that ``src``
-    holds (``_dropout_kernel``'s values). The hash is written out here, on a uint64 counter, as
-    the loop then vectorizes: with ``_keep`` inlined in an inner loop it did not (a [1M, 128]
-    tensor's blocks: 93 against 169 ms, scratch timing)."""
+    holds (``_dropout_kernel``'s values). The element index is a uint64 counter over a slice:
+    the loop then vectorizes, where ``_keep(seed, np.uint64(base + i), ...)`` over the whole
+    flat tensor did not (a [1M, 128] tensor's blocks: 91 against 169 ms, scratch timing)."""
     zero = scale - scale
     ub = np.uint64(base)
     for i in range(src.shape[0]):
-        z = seed + (ub + np.uint64(i)) * _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _MIX1
-        z = (z ^ (z >> np.uint64(27))) * _MIX2
-        z = z ^ (z >> np.uint64(31))
-        buf[i] = src[i] * (scale if (z >> np.uint64(40)) < threshold else zero)
+        buf[i] = src[i] * (scale if _keep(seed, ub + np.uint64(i), threshold) else zero)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -250,8 +247,6 @@ def weight_grads(x: torch.Tensor, p: float, seed: int, gs) -> list | None:
                    or g.device.type != "cpu" or g.shape[1] < _JT for g in gs)
             or sum(g.shape[1] for g in gs) > WG_MAX_WIDTH):
         return None
-    import numba
-
     xc = x.detach().contiguous()
     garr = tuple(g.detach().contiguous().numpy() for g in gs)
     offs = np.zeros(len(gs) + 1, np.int64)
