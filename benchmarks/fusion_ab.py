@@ -98,7 +98,6 @@ def main(argv=None):
                 res[on].append(epoch())
     finally:
         setting(True)
-        _dropout.WG_MAX_WIDTH = wg_width
     med = {on: [statistics.median(e[i] for e in res[on]) for i in range(3)] for on in res}
     for on in (False, True):
         w, u, s = med[on]
