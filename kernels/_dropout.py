@@ -161,15 +161,20 @@ def chunks(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = Non
 
 # -- A Linear's weight gradient through the dropout, in one kernel --------------------------------
 # rows per block of :func:`weight_grads`: each thread makes a block's dropout again in a buffer of
-# its own (128 rows of 128 float32 features: 64 KiB, in L2 beside the block's gradient rows) and
-# takes its products in register tiles of _KT x _JT
-WG_ROWS = 128
-_KT, _JT = 4, 16
+# its own (256 rows of 128 float32 features: 128 KiB, in L2 beside the block's gradient rows) and
+# takes its products in register tiles of up to _KT x _JT: 6 x 16 float32 are 12 AVX2
+# accumulators, which keep both FMA pipes busy where 4 x 16 (8) did not (products alone on
+# in-cache blocks, one thread, scratch timing: 54 -> 73 GFLOP/s). ``weight_grads`` on x [1M, 128],
+# 4 x 16 tiles on 128 rows against 6 x 16 on 256, taking turns (8 rounds, median, scratch script,
+# 2026-11-28): a [1M, 64] gradient 306 -> 287 ms (0.94), [1M, 16] 0.87, [1M, 192] 0.93; 6 x 16 on
+# 128 rows did as well, on 64 rows worse (1.02). Of the rest, remaking the dropout takes ~90 ms.
+WG_ROWS = 256
+_KT, _JT = 6, 16
 # the widest gradients (their widths summed) :func:`weight_grads` takes. Against chunks() and
 # torch's GEMMs, x [1M, 128], one process, the two taking turns, 5 rounds (median ratio, scratch
-# script, 2026-11-28): width 16 0.47, 32 0.59, 64 0.69-0.78, 128 0.87, 256 0.99-1.04. Its
-# products run at 34 GFLOP/s a core against MKL's 43 (this AMD EPYC: AVX2, 1 FMA a cycle), so
-# what it saves is the dropout's passes, which weigh less the wider the gradient.
+# script, 2026-11-28, with 4 x 16 tiles): width 16 0.47, 32 0.59, 64 0.69-0.78, 128 0.87, 256
+# 0.99-1.04. Its products then ran at 34 GFLOP/s a core against MKL's 43 (this AMD EPYC: AVX2),
+# so what it saves is the dropout's passes, which weigh less the wider the gradient.
 WG_MAX_WIDTH = 192
 
 
@@ -185,18 +190,26 @@ def _dropout_block(src, buf, base, seed, threshold, scale):
         buf[i] = src[i] * (scale if _keep(seed, ub + np.uint64(i), threshold) else zero)
 
 
+@njit(inline="always")
+def _fold(acc, tile, k0, kt, c0):
+    """``acc[k0:k0 + kt, c0:c0 + _JT] += tile[:kt]`` (float64 sums of a block's tile)."""
+    for i in range(kt):
+        for j in range(_JT):
+            acc[k0 + i, c0 + j] += tile[i, j]
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _weight_grads_kernel(x, gs, offs, seed, threshold, scale, nthreads):
     """``acc[:, offs[q]:offs[q + 1]] = dropout(x)^T gs[q]`` for every gradient ``gs[q]`` [N,
     J_q] (J_q >= _JT), in float64 ([K, sum J]); ``x`` [N, K] C-contiguous. Threads take
     consecutive runs of WG_ROWS-row blocks; a block's products are summed in x's type in
-    registers (``_outer_tile``), then added to the thread's float64 sums."""
+    registers (``_outer_tile``: _KT features at a time, then 4, 2 and 1 for the last K % _KT),
+    then added to the thread's float64 sums."""
     n, K = x.shape
     nb = (n + WG_ROWS - 1) // WG_ROWS
     per = (nb + nthreads - 1) // nthreads
     accs = np.zeros((nthreads, K, offs[-1]), np.float64)
     xf = x.reshape(n * K)
-    kmain = K - K % _KT
     for t in prange(nthreads):
         acc = accs[t]
         buf = np.empty(WG_ROWS * K, x.dtype)
@@ -211,24 +224,29 @@ def _weight_grads_kernel(x, gs, offs, seed, threshold, scale, nthreads):
                 J, o = gb.shape[1], offs[q]
                 jmain = J - J % _JT
                 for j0 in range(0, jmain, _JT):
-                    for k0 in range(0, kmain, _KT):
+                    # tile heights are literals (each its own register code)
+                    k0 = 0
+                    while k0 + _KT <= K:
                         _outer_tile(xb, gb, m, k0, j0, tile, _KT, _JT)
-                        for i in range(_KT):
-                            for j in range(_JT):
-                                acc[k0 + i, o + j0 + j] += tile[i, j]
-                # what the tiles leave: the last K % _KT features (every column), the last
-                # J % _JT columns (the other features)
+                        _fold(acc, tile, k0, _KT, o + j0)
+                        k0 += _KT
+                    if k0 + 4 <= K:
+                        _outer_tile(xb, gb, m, k0, j0, tile, 4, _JT)
+                        _fold(acc, tile, k0, 4, o + j0)
+                        k0 += 4
+                    if k0 + 2 <= K:
+                        _outer_tile(xb, gb, m, k0, j0, tile, 2, _JT)
+                        _fold(acc, tile, k0, 2, o + j0)
+                        k0 += 2
+                    if k0 < K:
+                        _outer_tile(xb, gb, m, k0, j0, tile, 1, _JT)
+                        _fold(acc, tile, k0, 1, o + j0)
+                # what the tiles leave: the last J % _JT columns
                 if jmain < J:
                     for r in range(m):
-                        for k in range(kmain):
+                        for k in range(K):
                             a = np.float64(xb[r, k])
                             for j in range(jmain, J):
-                                acc[k, o + j] += a * gb[r, j]
-                if kmain < K:
-                    for r in range(m):
-                        for k in range(kmain, K):
-                            a = np.float64(xb[r, k])
-                            for j in range(J):
                                 acc[k, o + j] += a * gb[r, j]
     return accs
 

@@ -197,15 +197,17 @@ def test_gnn_fuses_elu_and_dropout_between_gat_layers(monkeypatch):
 
 # -- a Linear's weight gradient through the dropout, in one kernel ---------------------------------
 # (rows, in features, gradient widths): whole blocks of rows and a short last one, a single short
-# block, in-widths that are and are not multiples of the 4-feature tiles, gradients that are and
-# are not multiples of the 16-column tiles, two gradients side by side
+# block, in-widths that are multiples of the 6-feature tiles and that leave each remainder the
+# 4-, 2- and 1-feature tiles take (128: 2; 130: 4; 7: 1; 3: 2 + 1; 11: 4 + 1; 4: 4 alone),
+# gradients that are and are not multiples of the 16-column tiles, two gradients side by side
 @pytest.mark.parametrize("rows,width,outs", [
     (1000, 128, (64,)), (1037, 130, (17, 64)), (5, 7, (16,)), (300, 3, (33,)),
-    (257, 48, (16, 16)), (128, 4, (192,))])
+    (257, 48, (16, 16)), (128, 4, (192,)), (513, 11, (32,))])
 def test_weight_grads_kernel_equals_the_dense_product(rows, width, outs):
     """``weight_grads`` gives ``g^T dropout(x)`` per gradient: checked against the product of the
     dropout (the kernel this one makes again, bit for bit) and ``g`` in float64, within a few
-    float32 roundings of the largest sum (the kernel sums 128 rows at a time in float32)."""
+    float32 roundings of the largest sum (the kernel sums WG_ROWS rows at a time in
+    float32)."""
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, width, generator=gen)
     gs = [torch.randn(rows, j, generator=gen) for j in outs]
