@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/fusion_ab.py --model gcn            # R-MAT 1M / 16M (e2e.py's graph)
     .venv/bin/python benchmarks/fusion_ab.py --model sage --scale 16 --edges 1000000
     .venv/bin/python benchmarks/fusion_ab.py --model gcn --fusion weight-grad
+    .venv/bin/python benchmarks/fusion_ab.py --model gcn --fusion relu-linear
 
 ``--fusion layers`` (the default) switches two fusions together: GCNConv's one-kernel path
 (``kernels.gspmm_norm``: the self loop, both normalizations and the bias in the g-SpMM's pass,
@@ -11,7 +12,10 @@ and its own gradient) and ``ngra.nn.GNN``'s ReLU + dropout between layers
 ``dropout(relu(x))``: the same values and gradients. ``--fusion weight-grad`` switches the
 weight gradient of the Linear reading the input dropout between one kernel
 (``kernels._dropout.weight_grads``, "on") and the dropout made again in chunks for torch's GEMMs
-("off"): the same sums, grouped otherwise.
+("off"): the same sums, grouped otherwise. ``--fusion relu-linear`` switches the next layer's
+Linear taking the ReLU + dropout's backward into its own (``kernels._dense._ReluDropoutLinear``:
+``g W`` and the mask a block of rows at a time, "on") against the Linear's backward then
+relu_dropout's ("off"): the same values (GCN's layer 2; GIN, GraphSAGE and GAT do not take it).
 
 A whole-epoch comparison across processes on a shared machine swings by 20-40%; here the two
 settings take turns epoch by epoch (off/on, then on/off) in one process, on one graph, model
@@ -40,7 +44,7 @@ from kernels import _dropout  # noqa: E402
 from ngra.nn import GCNConv, build_model, models  # noqa: E402
 
 
-def _plain_act_dropout(x, activation, p, training, g=None):
+def _plain_act_dropout(x, activation, p, training, g=None, fusable=False):
     return models._dropout(models._ACTIVATIONS[activation](x), p, training, g)
 
 
@@ -50,7 +54,7 @@ def main(argv=None):
     ap.add_argument("--scale", type=int, default=20, help="R-MAT vertices = 2**scale")
     ap.add_argument("--edges", type=int, default=16 << 20)
     ap.add_argument("--rounds", type=int, default=8, help="timed (off, on) pairs")
-    ap.add_argument("--fusion", default="layers", choices=["layers", "weight-grad"],
+    ap.add_argument("--fusion", default="layers", choices=["layers", "weight-grad", "relu-linear"],
                     help="what is switched (see the module docstring)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -67,10 +71,14 @@ def main(argv=None):
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     fused_gcn, fused_act = GCNConv._fusable, models._act_dropout
     wg_width = _dropout.WG_MAX_WIDTH
+    relu_dropout_of = _dropout.relu_dropout_of
 
     def setting(on: bool):
         if args.fusion == "weight-grad":
             _dropout.WG_MAX_WIDTH = wg_width if on else 0
+            return
+        if args.fusion == "relu-linear":
+            _dropout.relu_dropout_of = relu_dropout_of if on else (lambda t: None)
             return
         GCNConv._fusable = fused_gcn if on else (lambda *a: False)
         models._act_dropout = fused_act if on else _plain_act_dropout

@@ -206,8 +206,57 @@ def _weight_grads_dropped(x: torch.Tensor, p: float, seed: int, rows, gs) -> lis
 def _linear(x, weight, bias=None):
     operands = (x, weight) if bias is None else (x, weight, bias)
     if _linear_form(x, weight, bias) and usable((x.shape[0], weight.shape[0]), *operands):
+        act = _dropout.relu_dropout_of(x)
+        if act is not None and x.requires_grad and torch.is_grad_enabled():
+            z, scale = act
+            _dropout.forget(x)  # z need not outlive this call: the Function keeps only x
+            return _ReluDropoutLinear.apply(z, x.detach(), weight, bias, scale)
         return _Linear.apply(x, weight, bias)
     return NotImplemented
+
+
+class _ReluDropoutLinear(torch.autograd.Function):
+    """``F.linear(a, weight, bias)`` where ``a = relu_dropout(z, p, seed)`` (``kernels._dropout``,
+    offered as fusable), differentiable with respect to ``z`` rather than ``a``: the backward
+    makes ``a``'s gradient ``g W`` a block of rows at a time, into a buffer in cache, and takes the
+    ReLU's and dropout's backward there (``* scale`` where ``a > 0``, 0 elsewhere), so neither
+    ``g W`` [N, in] goes to memory nor does relu_dropout's backward read it back: one pass over
+    [N, in] less each way. relu_dropout's own backward then runs only for ``a``'s other
+    consumers. Forward, weight and bias gradients are :class:`_Linear`'s (``a`` is kept, as
+    relu_dropout keeps it anyway); ``z``'s gradient has the values of ``g W`` through
+    relu_dropout's backward, except where ``g W`` is NaN or infinite at an element ``a`` is not
+    positive: 0 here (as torch's ReLU), ``grad * 0`` there."""
+
+    @staticmethod
+    def forward(ctx, z, a, weight, bias, scale):
+        need = ctx.needs_input_grad
+        ctx.scale, ctx.has_bias = scale, bias is not None
+        ctx.save_for_backward(a, weight if need[0] else None)
+        return _gemm(a, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, weight = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        gz = gw = gb = None
+        if need[0]:
+            if torch.is_grad_enabled():  # create_graph: torch's differentiable ops
+                gz = g.mm(weight).mul(ctx.scale) * (a > 0).to(g.dtype)
+            else:
+                n = a.shape[0]
+                step = _mlp_rows(a.shape[1], a.element_size())
+                buf = _CACHE.empty((min(step, n), a.shape[1]), g.dtype)
+                gz = _CACHE.empty(tuple(a.shape), g.dtype)
+                for r0 in range(0, n, step):
+                    r1 = min(n, r0 + step)
+                    ga = torch.mm(g[r0:r1], weight, out=buf[:r1 - r0]).mul_(ctx.scale)
+                    torch.ops.aten.threshold_backward.grad_input(ga, a[r0:r1], 0,
+                                                                 grad_input=gz[r0:r1])
+        if need[2]:
+            gw = _weight_grad(a, g)
+        if ctx.has_bias and need[3]:
+            gb = g.sum(0)
+        return gz, None, gw, gb, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

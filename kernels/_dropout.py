@@ -333,9 +333,10 @@ def _act_backward_buffers(ctx, grad):
 
 class _ReluDropout(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, p, seed):
+    def forward(ctx, x, p, seed, flag):
         out, nans = _act_forward(ctx, _relu_dropout_kernel, x, p, seed)
         ctx.nans = nans > 0
+        flag.append(ctx.nans)
         return out
 
     @staticmethod
@@ -346,10 +347,10 @@ class _ReluDropout(torch.autograd.Function):
             _relu_dropout_backward_nan_kernel(G, O, GX, seed, threshold, scale)
         else:
             _relu_dropout_backward_kernel(G, O, GX, scale)
-        return gx, None, None
+        return gx, None, None, None
 
 
-def relu_dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+def relu_dropout(x: torch.Tensor, p: float, seed: int, *, fusable: bool = False) -> torch.Tensor:
     """``dropout(relu(x), p, seed)`` in one pass over ``x`` (same mask, same values), and one in
     backward: the gradient passes where the output is positive (the element was positive and
     kept, or NaN and kept, as torch's relu passes a NaN input's gradient), scaled by ``1 / (1 -
@@ -357,8 +358,39 @@ def relu_dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     tensor and a pass each way. Backward reads the output, which the next layer keeps anyway
     (its input). The values are the two ops' except where the gradient itself is NaN or
     infinite: ``grad * 0`` (NaN) at a non-positive input, where torch's relu gives 0. CPU,
-    float32/float64 (see :func:`supported`), ``0 < p < 1``."""
-    return _ReluDropout.apply(x, float(p), int(seed))
+    float32/float64 (see :func:`supported`), ``0 < p < 1``.
+
+    ``fusable``: the output may go straight into a Linear that takes the ReLU's and dropout's
+    backward into its own (:func:`relu_dropout_of`); the caller ends that offer with
+    :func:`forget` once the output's consumers have run (until then the output holds ``x``)."""
+    flag = []
+    out = _ReluDropout.apply(x, float(p), int(seed), flag)
+    if fusable and not flag[0]:  # an input with NaNs: its backward needs the mask, not the output
+        scale = float(_kernel_args(p, seed, x.dtype)[2])  # the kernel's scale, exactly
+        out._ngra_relu_dropout_of = (x, out._version, scale)
+    return out
+
+
+def relu_dropout_of(t: torch.Tensor):
+    """``(x, scale)`` where ``t`` is, unchanged, the output of ``relu_dropout(x, p, seed,
+    fusable=True)`` (``scale = 1 / (1 - p)`` as the kernel rounds it), else None. Its gradient
+    with respect to ``x`` is then ``grad * scale`` where ``t > 0`` and 0 elsewhere, from ``t``
+    alone: a consumer whose backward makes ``t``'s gradient (a Linear: ``g W``) can finish it
+    there, a block of rows at a time, with ``x`` as its differentiable input in ``t``'s place
+    (``kernels._dense``)."""
+    of = getattr(t, "_ngra_relu_dropout_of", None)
+    if of is None:
+        return None
+    x, version, scale = of
+    if t._version != version:  # changed in place since
+        return None
+    return x, scale
+
+
+def forget(t: torch.Tensor) -> None:
+    """End :func:`relu_dropout`'s ``fusable`` offer on its output ``t`` (drops its hold on the
+    input)."""
+    t.__dict__.pop("_ngra_relu_dropout_of", None)
 
 
 # -- ELU and dropout in one pass (float32) --------------------------------------------------------

@@ -38,16 +38,20 @@ def _dropout(x: torch.Tensor, p: float, training: bool, g=None) -> torch.Tensor:
     return _fast_dropout.dropout(x, p, seed, rows)
 
 
-def _act_dropout(x: torch.Tensor, activation: str, p: float, training: bool, g=None):
+def _act_dropout(x: torch.Tensor, activation: str, p: float, training: bool, g=None,
+                 fusable: bool = False):
     """``_dropout(act(x), p, training, g)``; for ReLU and ELU on the CPU path of ``_dropout``
     one pass each way (``kernels._dropout.relu_dropout`` / ``elu_dropout``: same mask, same
     values (ELU's within 3 ulp), no [N, F] tensor for the activation's output and none for its
-    gradient)."""
+    gradient). ``fusable``: a ReLU's output is offered to the Linear that reads it
+    (``kernels._dropout.relu_dropout``); the caller then calls ``kernels._dropout.forget`` on it
+    once its consumers ran."""
     if (activation in ("relu", "elu") and training and 0.0 < p < 1.0
             and _fast_dropout.supported(x) and getattr(g, "global_ids", None) is None):
         seed = int(torch.randint(0, 1 << 62, (1,)).item())
-        fused = _fast_dropout.relu_dropout if activation == "relu" else _fast_dropout.elu_dropout
-        return fused(x, p, seed)
+        if activation == "relu":
+            return _fast_dropout.relu_dropout(x, p, seed, fusable=fusable)
+        return _fast_dropout.elu_dropout(x, p, seed)
     return _dropout(_ACTIVATIONS[activation](x), p, training, g)
 
 
@@ -83,10 +87,16 @@ class GNN(torch.nn.Module):
         if self.encoder is not None:
             x = self.encoder(_dropout(x, self.dropout, self.training, g))
         for i, layer in enumerate(self.layers):
-            # the activation after a layer and the dropout before the next: one op for ReLU
-            x = _dropout(x, self.dropout, self.training, g) if i == 0 else \
-                _act_dropout(x, self.activation, self.dropout, self.training, g)
-            x = layer(g, x, **kwargs)
+            # the activation after a layer and the dropout before the next: one op for ReLU,
+            # whose backward the next layer's first Linear can take into its own
+            if i == 0:
+                x = layer(g, _dropout(x, self.dropout, self.training, g), **kwargs)
+                continue
+            h = _act_dropout(x, self.activation, self.dropout, self.training, g, fusable=True)
+            del x  # the ReLU's backward reads only h (x is held by h's offer until taken or forgotten)
+            x = layer(g, h, **kwargs)
+            _fast_dropout.forget(h)
+            del h
         if self.decoder is not None:
             x = self.decoder(_dropout(x, self.dropout, self.training, g))
         return x

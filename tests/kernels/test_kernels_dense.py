@@ -544,6 +544,122 @@ def test_relu_linear_falls_back_where_blocks_do_not_apply():
             torch.testing.assert_close(a, b)
 
 
+# -- a Linear on relu_dropout's output takes its backward ------------------------------------------
+def _relu_dropped(dtype, rows=N + 37, width=64, seed=21):
+    """``(_dropout, z)``: z [rows, width] with zeros (which pass no gradient) and negatives."""
+    from kernels import _dropout
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(rows, width, dtype=dtype, generator=gen)
+    z[::7] = 0.0
+    return _dropout, z.requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("out_features,bias", [(64, True), (16, False), (4, True)])
+def test_linear_of_a_fusable_relu_dropout_takes_its_backward(dtype, out_features, bias,
+                                                             monkeypatch):
+    """``linear(relu_dropout(z, fusable=True), w, b)``: the Linear's autograd input is z itself
+    (relu_dropout's backward does not run), its backward makes ``g W`` and the mask a block of
+    rows at a time (several here, the last one short); value and the gradients of z, w and b
+    equal the separate ops' (relu_dropout's own backward, then torch's Linear on its output),
+    z's to the bit; the offer is consumed (z no longer held by the output)."""
+    _dropout, z = _relu_dropped(dtype, rows=(N + 37) * 64 // out_features)  # results >= 1 MiB
+    monkeypatch.setattr(_dense, "RELU_LINEAR_BYTES", 1000 * 64 * dtype.itemsize)
+    gen = torch.Generator().manual_seed(22)
+    w, b = _leaves(gen, dtype, (out_features, 64), (out_features,))
+    wb = [w, b] if bias else [w]
+    h = _dropout.relu_dropout(z, 0.4, 77, fusable=True)
+    assert _dropout.relu_dropout_of(h)[0] is z
+    out = _dense.linear(h, *wb)
+    assert _dropout.relu_dropout_of(h) is None  # taken: h no longer holds z
+    assert out.grad_fn.next_functions[0][0].variable is z  # z's accumulator, not relu_dropout's
+    g = torch.randn(out.shape, dtype=dtype, generator=torch.Generator().manual_seed(23))
+    got = torch.autograd.grad(out, [z, *wb], g)
+    h2 = _dropout.relu_dropout(z, 0.4, 77)  # the same mask, not offered
+    assert _dropout.relu_dropout_of(h2) is None
+    want_out = F.linear(h2, *wb)
+    want = torch.autograd.grad(want_out, [z, *wb], g)
+    assert torch.equal(out.detach(), want_out.detach())
+    assert torch.equal(got[0], want[0])
+    assert float(got[0].abs().sum()) > 0 and torch.equal(got[0][::7], torch.zeros_like(got[0][::7]))
+    for a, c in zip(got[1:], want[1:]):
+        _close(a, c)
+
+
+def test_fused_relu_dropout_linear_with_other_consumers_and_changes():
+    """The output read by a Linear and by another op: z's gradient is the sum of both paths
+    (relu_dropout's backward runs for the other one). An output changed in place before the
+    Linear, or an input with NaNs, is not offered, and the Linear keeps its usual backward."""
+    _dropout, z = _relu_dropped(torch.float32)
+    gen = torch.Generator().manual_seed(24)
+    w, b = _leaves(gen, torch.float32, (64, 64), (64,))
+
+    def both(h):
+        return (_dense.linear(h, w, b).square().sum() + (h * torch.arange(64.0)).sum())
+    got = torch.autograd.grad(both(_dropout.relu_dropout(z, 0.5, 5, fusable=True)), (z, w, b))
+    want = torch.autograd.grad(both(_dropout.relu_dropout(z, 0.5, 5)), (z, w, b))
+    for a, c in zip(got, want):
+        _close(a, c)
+    h = _dropout.relu_dropout(z, 0.5, 5, fusable=True)
+    with torch.no_grad():
+        h[0] += 1
+    assert _dropout.relu_dropout_of(h) is None
+    with torch.no_grad():
+        zn = z.detach().clone()
+        zn[3, 3] = float("nan")
+    assert _dropout.relu_dropout_of(_dropout.relu_dropout(zn.requires_grad_(), 0.5, 5,
+                                                          fusable=True)) is None
+
+
+def test_fused_relu_dropout_linear_second_derivatives():
+    """create_graph: the fused backward through torch's differentiable ops, against torch's
+    ReLU, the same mask as a constant, and Linear."""
+    _dropout, z = _relu_dropped(torch.float64, rows=N)
+    gen = torch.Generator().manual_seed(25)
+    w, b = _leaves(gen, torch.float64, (32, 64), (32,))
+    mask = _dropout.dropout(torch.ones(z.shape, dtype=torch.float64), 0.5, 9)  # 0 or 2
+    results = []
+    for fused in (True, False):
+        h = _dropout.relu_dropout(z, 0.5, 9, fusable=True) if fused else torch.relu(z) * mask
+        out = _dense.linear(h, w, b) if fused else F.linear(h, w, b)
+        gz, gw = torch.autograd.grad((torch.tanh(out) ** 2).sum(), (z, w), create_graph=True)
+        results.append(torch.autograd.grad((gz ** 2).sum() + (gw ** 2).sum(), (w, b)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_gcn_layer_two_takes_the_relu_dropout_backward(monkeypatch):
+    """A 2-layer GCN (ngra.nn.GNN): layer 2's Linear takes relu_dropout's backward; output and
+    parameter gradients equal those with the offer declined (same seeds)."""
+    import ngra
+    from kernels import _dropout
+    from ngra.nn import build_model
+    n = 4096
+    gen = torch.Generator().manual_seed(26)
+    g = ngra.Graph(torch.randint(0, n, (8 * n,), generator=gen),
+                   torch.randint(0, n, (8 * n,), generator=gen), n).remove_self_loops()
+    x = torch.randn(n, 32, generator=gen)
+    torch.manual_seed(0)
+    model = build_model("gcn", 32, 64, 64)  # layer 2's result [4096, 64]: 1 MiB, cached
+    calls = []
+    real = _dense._ReluDropoutLinear.apply
+    monkeypatch.setattr(_dense._ReluDropoutLinear, "apply",
+                        lambda *a: calls.append(1) or real(*a))
+    runs = []
+    for offered in (True, False):
+        if not offered:
+            monkeypatch.setattr(_dropout, "relu_dropout_of", lambda t: None)
+        torch.manual_seed(5)
+        out = model(g, x)
+        runs.append((out.detach(), torch.autograd.grad(out.square().sum(),
+                                                       list(model.parameters()))))
+    assert calls == [1]
+    (out, grads), (out2, grads2) = runs
+    assert torch.equal(out, out2)
+    for a, c in zip(grads, grads2):
+        _close(a, c)
+
+
 def _linear_relu_linear(x, w1, b1, w2, b2=None):
     return F.linear(torch.relu(F.linear(x, w1, b1)), w2, b2)
 
