@@ -15,7 +15,7 @@ import weakref
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _backend
+from . import _backend, _dropout
 from ._ops import (
     REDUCES,
     SDDMM_OPS,
@@ -334,33 +334,47 @@ def gspmm_norm(csr, x, src_scale, dst_scale, self_weight=None, bias=None, backen
         if c is not None:
             out = out * c.view(col)
         return out + bias if bias is not None else out
-    return _GSpMMNorm.apply(csr, mod, x, s, a, c, bias)
+    # x the output of relu_dropout offered as fusable (a model's ReLU + dropout before this layer):
+    # differentiable in the ReLU's input instead, the backward's transposed pass applying the
+    # ReLU's and dropout's backward to each row it finishes (relu_dropout's own pass not run)
+    act = _dropout.relu_dropout_of(x) if getattr(mod, "SPMM_NORM_MASK", False) else None
+    if act is not None and x.requires_grad and torch.is_grad_enabled():
+        z, scale = act
+        _dropout.forget(x)  # z need not outlive this call: the Function keeps only x
+        return _GSpMMNorm.apply(csr, mod, z, s, a, c, bias, x.detach(), scale)
+    return _GSpMMNorm.apply(csr, mod, x, s, a, c, bias, None, None)
 
 
 class _GSpMMNorm(torch.autograd.Function):
+    """:func:`gspmm_norm` of ``x``, or of ``act = relu_dropout(x, ...)`` where ``act`` is given
+    (``kernels._dropout.relu_dropout_of``): then ``x``'s gradient is the transposed pass's times
+    ``scale`` where ``act`` is above 0 and 0 elsewhere, in that pass."""
+
     @staticmethod
-    def forward(ctx, csr, mod, x, s, a, c, bias):
+    def forward(ctx, csr, mod, x, s, a, c, bias, act, scale):
         ctx.mod = mod
         ctx.has_a = a is not None
-        _keep_csr(ctx, csr, s, a, c)
-        return mod.spmm_norm(csr, x, s, a, c, bias)
+        ctx.scale = scale
+        _keep_csr(ctx, csr, s, a, c, act)
+        return mod.spmm_norm(csr, x if act is None else act, s, a, c, bias)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        csr, (s, a, c) = _restore_csr(ctx)
+        csr, (s, a, c, act) = _restore_csr(ctx)
         g = grad_out.contiguous()
         gx = gb = None
         if ctx.needs_input_grad[2]:
             # D_c (A + diag(a)) D_s transposed is D_s (A^T + diag(a)) D_c; the bias gradient (g's
             # column sums) comes from the same pass, which reads every row of g once
+            mask = {} if act is None else {"mask": act, "mask_scale": ctx.scale}
             gx = ctx.mod.spmm_norm(csr.transpose(), g, c, a if ctx.has_a else None, s, None,
-                                   col_sum=ctx.needs_input_grad[6])
+                                   col_sum=ctx.needs_input_grad[6], **mask)
             if ctx.needs_input_grad[6]:
                 gx, gb = gx
         elif ctx.needs_input_grad[6]:
             gb = g.sum(0)
-        return None, None, gx, None, None, None, gb
+        return None, None, gx, None, None, None, gb, None, None
 
 
 # ----------------------------------------------------------------------------------------------

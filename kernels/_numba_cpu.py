@@ -274,14 +274,19 @@ def spmm_mul_grads(csr, g, u, e):
     return gu.reshape(u.shape), ge.reshape(e.shape)
 
 
-def spmm_norm(csr, x, s, a, c, b, col_sum=False):
+SPMM_NORM_MASK = True  # spmm_norm takes ``mask`` (kernels._api.gspmm_norm asks)
+
+
+def spmm_norm(csr, x, s, a, c, b, col_sum=False, mask=None, mask_scale=1.0):
     """``c * (gspmm(copy_u, sum, s * x) + a * s * x) + b`` in one pass (:func:`_spmm_norm`):
     ``x`` [N, *f] on a square CSR, ``s``, ``a`` and ``c`` [N, 1] or None (no source scale, no
     self term, no destination scale), ``b`` [*f] or None, all of x's dtype (checked by the
     caller).
     Returns [N, *f]; with ``col_sum``, also ``x.sum(0)`` [*f] from the same pass (per-part sums
-    in float64, added in part order, rounded once to x's dtype)."""
-    _check_dtype(x, s, a, c, b)
+    in float64, added in part order, rounded once to x's dtype). ``mask`` [N, *f] of x's dtype:
+    the result times ``mask_scale`` where ``mask`` is above 0, times 0 elsewhere, in the same
+    pass (the backward of ``kernels._dropout.relu_dropout``, ``mask`` its output)."""
+    _check_dtype(x, s, a, c, b, mask)
     parts, _, _, _ = _arrays(csr)
     lo = math.prod(x.shape[1:])
     U = _flat(x, csr.num_src)
@@ -295,7 +300,9 @@ def spmm_norm(csr, x, s, a, c, b, col_sum=False):
             none if a is None else _flat(a, csr.num_src),
             none if c is None else _flat(c, csr.num_dst),
             none[:, 0] if b is None else b.detach().reshape(lo).contiguous().numpy(),
-            out.numpy(), _EMPTY_OFF, _EMPTY_OFF, _prefetch_distance(row_bytes), sums)
+            out.numpy(), _EMPTY_OFF, _EMPTY_OFF, _prefetch_distance(row_bytes), sums,
+            np.zeros((0, lo), dtype=U.dtype) if mask is None else _flat(mask, csr.num_dst),
+            U.dtype.type(mask_scale))
     out = out.reshape((csr.num_dst,) + tuple(x.shape[1:]))
     if not col_sum:
         return out

@@ -108,7 +108,7 @@ def _spmm_sum(parts, indptr, bptr, nblk, indices, eids, U, W, out, op, mode, inn
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf, SUM):
+def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf, SUM, M, mscale):
     """``out[v] = C[v] * (sum_{k: u -> v} S[u] U[u] + A[v] (S[v] U[v])) + B``: a g-SpMM whose
     sources are scaled by ``S`` [N, 1] on the fly (each edge's row times its source's scale, in
     the register tiles of u_mul_e with the weight read through the source index instead of the
@@ -123,11 +123,18 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf, S
     ``SUM`` [parts, F] (float64 zeros, or empty for none): part ``p`` adds its rows of ``U`` into
     ``SUM[p]`` in the epilogue, where each row is read anyway: the column sums of ``U`` (a
     transposed pass's input is the output gradient, whose column sums are the bias gradient)
-    without another pass over it."""
+    without another pass over it.
+
+    ``M`` [N, F] (or empty for none): each finished row is then multiplied by ``mscale`` where
+    ``M``'s element is above 0 and by 0 elsewhere (ReLU + dropout's backward, ``M`` their output:
+    a transposed pass's input gradient through ``kernels._dropout.relu_dropout``, without its own
+    pass)."""
     lo = out.shape[1]
     lu = U.shape[1]
     uline = max(1, 64 // U.itemsize)
     nd = out.shape[0]
+    has_m = M.shape[0] > 0
+    mzero = mscale - mscale
     has_s = S.shape[0] > 0
     has_a = A.shape[0] > 0
     has_b = B.shape[0] > 0
@@ -178,6 +185,10 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf, S
                     if has_b:
                         for f in range(lo):
                             orow[f] = orow[f] + B[f]
+                    if has_m:
+                        mrow = M[v]
+                        for f in range(lo):
+                            orow[f] = orow[f] * (mscale if mrow[f] > 0 else mzero)
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -193,3 +193,74 @@ def test_bias_gradient_from_the_transposed_pass(monkeypatch, graph, nblk, need_x
         ref = dense_norm(graph, x, s, c, a, b)
         want_x, = torch.autograd.grad(ref, [x], g)
         torch.testing.assert_close(got[0].double(), want_x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("graph", SQUARE, ids=SQUARE_IDS)
+@pytest.mark.parametrize("nblk", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_relu_dropout_input_backward_in_the_transposed_pass(monkeypatch, graph, nblk, dtype):
+    """x the output of ``relu_dropout(z, fusable=True)`` (a model's ReLU + dropout before a GIN
+    sum): gspmm_norm is differentiable in z, the transposed pass masking each row it finishes
+    (after the last source block); value and the gradients of z and the bias equal relu_dropout
+    then gspmm_norm to the bit, and the offer is consumed."""
+    from kernels import _dropout
+    monkeypatch.setattr(_numba_cpu, "_FORCE_BLOCKS", nblk)
+    n = graph[3]
+    z = rand((n, 6), dtype, 31)
+    z[::3] = 0.0  # zeros pass no gradient, as the ReLU's
+    z.requires_grad_()
+    _, s, c, a, b = _inputs(n, (6,), dtype, 32)
+    g = rand((n, 6), dtype, 33)
+    h = _dropout.relu_dropout(z, 0.4, 17, fusable=True)
+    out = kernels.gspmm_norm(make_csr(graph), h, s, c, a, b, backend="numba")
+    assert _dropout.relu_dropout_of(h) is None
+    # z's own accumulator is an input of the op, relu_dropout's backward is not
+    assert [getattr(f, "variable", None) is z for f, _ in out.grad_fn.next_functions].count(True) == 1
+    assert "_ReluDropoutBackward" not in {type(f).__name__ for f, _ in out.grad_fn.next_functions}
+    got = torch.autograd.grad(out, (z, b), g)
+    h2 = _dropout.relu_dropout(z, 0.4, 17)
+    want_out = kernels.gspmm_norm(make_csr(graph), h2, s, c, a, b, backend="numba")
+    want = torch.autograd.grad(want_out, (z, b), g)
+    assert torch.equal(out.detach(), want_out.detach())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if n and graph[1].numel():
+        assert float(got[0].abs().sum()) > 0
+    # and against the dense reference through torch's ReLU and the mask as a constant
+    mask = _dropout.dropout(torch.ones(n, 6, dtype=dtype), 0.4, 17)
+    ref = dense_norm(graph, (torch.relu(z) * mask).double(), s.double(), c.double(), a.double(),
+                     b.double())
+    want_z, = torch.autograd.grad(ref, z, g.double())
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(got[0].double(), want_z.double(), rtol=tol, atol=tol)
+
+
+def test_gin_layer_two_takes_the_relu_dropout_backward(monkeypatch):
+    """A 2-layer GIN (ngra.nn.GNN): layer 2's sum takes relu_dropout's backward into its
+    transposed pass; output and parameter gradients equal those with the offer declined."""
+    import ngra
+    from kernels import _api, _dropout
+    from ngra.nn import build_model
+    n = 500
+    gen = torch.Generator().manual_seed(34)
+    gr = ngra.Graph(torch.randint(0, n, (8 * n,), generator=gen),
+                    torch.randint(0, n, (8 * n,), generator=gen), n).remove_self_loops()
+    x = torch.randn(n, 12, generator=gen)
+    torch.manual_seed(0)
+    model = build_model("gin", 12, 16, 4)
+    taken = []
+    real = _api._GSpMMNorm.apply
+    monkeypatch.setattr(_api._GSpMMNorm, "apply",
+                        lambda *a: taken.append(a[-1] is not None) or real(*a))
+    runs = []
+    for offered in (True, False):
+        if not offered:
+            monkeypatch.setattr(_dropout, "relu_dropout_of", lambda t: None)
+        torch.manual_seed(5)
+        out = model(gr, x)
+        runs.append((out.detach(), torch.autograd.grad(out.square().sum(),
+                                                       list(model.parameters()))))
+    assert taken == [False, True, False, False]  # layer 2 of the first run
+    (out, grads), (out2, grads2) = runs
+    assert torch.equal(out, out2)
+    for a, c in zip(grads, grads2):
+        assert torch.equal(a, c)
