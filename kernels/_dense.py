@@ -206,57 +206,87 @@ def _weight_grads_dropped(x: torch.Tensor, p: float, seed: int, rows, gs) -> lis
 def _linear(x, weight, bias=None):
     operands = (x, weight) if bias is None else (x, weight, bias)
     if _linear_form(x, weight, bias) and usable((x.shape[0], weight.shape[0]), *operands):
-        act = _dropout.relu_dropout_of(x)
-        if act is not None and x.requires_grad and torch.is_grad_enabled():
-            z, scale = act
-            _dropout.forget(x)  # z need not outlive this call: the Function keeps only x
-            return _ReluDropoutLinear.apply(z, x.detach(), weight, bias, scale)
+        act = _offered(x)
+        if act is not None:
+            return _ReluDropoutLinear.apply(act[0], x.detach(), act[1], weight, bias)[0]
         return _Linear.apply(x, weight, bias)
     return NotImplemented
 
 
 class _ReluDropoutLinear(torch.autograd.Function):
-    """``F.linear(a, weight, bias)`` where ``a = relu_dropout(z, p, seed)`` (``kernels._dropout``,
-    offered as fusable), differentiable with respect to ``z`` rather than ``a``: the backward
-    makes ``a``'s gradient ``g W`` a block of rows at a time, into a buffer in cache, and takes the
-    ReLU's and dropout's backward there (``* scale`` where ``a > 0``, 0 elsewhere), so neither
-    ``g W`` [N, in] goes to memory nor does relu_dropout's backward read it back: one pass over
-    [N, in] less each way. relu_dropout's own backward then runs only for ``a``'s other
-    consumers. Forward, weight and bias gradients are :class:`_Linear`'s (``a`` is kept, as
-    relu_dropout keeps it anyway); ``z``'s gradient has the values of ``g W`` through
-    relu_dropout's backward, except where ``g W`` is NaN or infinite at an element ``a`` is not
-    positive: 0 here (as torch's ReLU), ``grad * 0`` there."""
+    """``F.linear(a, w_i, b_i)`` for one or more Linears (``wb`` = ``w_0, b_0, ...``, a bias may
+    be None) on ``a = relu_dropout(z, p, seed)`` (``kernels._dropout``, offered as fusable),
+    differentiable with respect to ``z`` rather than ``a``: the backward makes ``a``'s gradient
+    (the gradients side by side times the weights stacked, as :class:`_LinearGroup`) a block of
+    rows at a time, into a buffer in cache, and takes the ReLU's and dropout's backward there
+    (``* scale`` where ``a > 0``, 0 elsewhere), so that gradient [N, in] never goes to memory
+    and relu_dropout's backward does not read it back: one pass over [N, in] less each way.
+    relu_dropout's own backward then runs only for ``a``'s other consumers. Forward, weight and
+    bias gradients are :class:`_LinearGroup`'s (``a`` is kept, as relu_dropout keeps it
+    anyway); ``z``'s gradient has the values of relu_dropout's backward of ``a``'s, except where
+    that is NaN or infinite at an element ``a`` is not positive: 0 here (as torch's ReLU),
+    ``grad * 0`` there."""
 
     @staticmethod
-    def forward(ctx, z, a, weight, bias, scale):
+    def forward(ctx, z, a, scale, *wb):
+        ws, bs = wb[0::2], wb[1::2]
         need = ctx.needs_input_grad
-        ctx.scale, ctx.has_bias = scale, bias is not None
-        ctx.save_for_backward(a, weight if need[0] else None)
-        return _gemm(a, weight, bias)
+        ctx.scale, ctx.has_bias = scale, tuple(b is not None for b in bs)
+        ctx.save_for_backward(a, *(ws if need[0] else ()))
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
+        return tuple(_gemm(a, w, b) for w, b in zip(ws, bs))
 
     @staticmethod
-    def backward(ctx, g):
-        a, weight = ctx.saved_tensors
+    def backward(ctx, *gs):
+        a, *ws = ctx.saved_tensors
         need = ctx.needs_input_grad
-        gz = gw = gb = None
-        if need[0]:
+        live = [i for i, g in enumerate(gs) if g is not None]
+        grads = [None] * len(need)
+
+        def side_by_side(idx):  # the gradients of Linears idx as one [N, sum out] tensor
+            if len(idx) == 1:
+                return gs[idx[0]]
+            parts = [gs[i] for i in idx]
+            return _out(torch.cat, (parts[0].shape[0], sum(g.shape[1] for g in parts)),
+                        parts[0].dtype, parts, 1)
+
+        if need[0] and live:
+            gc = side_by_side(live)
+            w = ws[live[0]] if len(live) == 1 else torch.cat([ws[i] for i in live])
             if torch.is_grad_enabled():  # create_graph: torch's differentiable ops
-                gz = g.mm(weight).mul(ctx.scale) * (a > 0).to(g.dtype)
+                grads[0] = gc.mm(w).mul(ctx.scale) * (a > 0).to(gc.dtype)
             else:
                 n = a.shape[0]
                 step = _mlp_rows(a.shape[1], a.element_size())
-                buf = _CACHE.empty((min(step, n), a.shape[1]), g.dtype)
-                gz = _CACHE.empty(tuple(a.shape), g.dtype)
+                buf = _CACHE.empty((min(step, n), a.shape[1]), gc.dtype)
+                gz = grads[0] = _CACHE.empty(tuple(a.shape), gc.dtype)
                 for r0 in range(0, n, step):
                     r1 = min(n, r0 + step)
-                    ga = torch.mm(g[r0:r1], weight, out=buf[:r1 - r0]).mul_(ctx.scale)
+                    ga = torch.mm(gc[r0:r1], w, out=buf[:r1 - r0]).mul_(ctx.scale)
                     torch.ops.aten.threshold_backward.grad_input(ga, a[r0:r1], 0,
                                                                  grad_input=gz[r0:r1])
-        if need[2]:
-            gw = _weight_grad(a, g)
-        if ctx.has_bias and need[3]:
-            gb = g.sum(0)
-        return gz, None, gw, gb, None
+        wanted = [i for i in live if need[3 + 2 * i]]
+        if wanted:  # one weight-gradient GEMM over a, cut into the Linears' rows
+            stacked = _weight_grad(a, side_by_side(wanted))
+            bounds = [0]
+            for i in wanted:
+                bounds.append(bounds[-1] + gs[i].shape[1])
+            for i, lo, hi in zip(wanted, bounds, bounds[1:]):
+                grads[3 + 2 * i] = stacked[lo:hi] if len(wanted) == 1 else stacked[lo:hi].clone()
+        for i in live:
+            if ctx.has_bias[i] and need[4 + 2 * i]:
+                grads[4 + 2 * i] = gs[i].sum(0)
+        return tuple(grads)
+
+
+def _offered(x):
+    """``(z, scale)`` where ``x`` is an offered relu_dropout output a Linear may take (see
+    :class:`_ReluDropoutLinear`), the offer then ended; else None."""
+    act = _dropout.relu_dropout_of(x)
+    if act is None or not (x.requires_grad and torch.is_grad_enabled()):
+        return None
+    _dropout.forget(x)  # z need not outlive this call: the Function keeps only x
+    return act
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -358,6 +388,9 @@ def linear_group(x: torch.Tensor, *linears) -> tuple:
             and all(_linear_form(x, w, b) and (b is None or b.shape[0] == w.shape[0])
                     for w, b in zip(ws, bs))
             and usable((x.shape[0], sum(w.shape[0] for w in ws)), *operands)):
+        act = _offered(x)
+        if act is not None:
+            return _ReluDropoutLinear.apply(act[0], x.detach(), act[1], *wb)
         return _LinearGroup.apply(x, *wb)
     return tuple(m(x) if isinstance(m, torch.nn.Module) else linear(x, w, b)
                  for m, w, b in zip(linears, ws, bs))

@@ -628,6 +628,32 @@ def test_fused_relu_dropout_linear_second_derivatives():
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("used", [(0, 1), (1,)])
+def test_linear_group_of_a_fusable_relu_dropout_takes_its_backward(used, monkeypatch):
+    """``linear_group(relu_dropout(z, fusable=True), ...)`` (GraphSAGE's two Linears on layer 2's
+    input): one Function differentiable in z; the outputs and the gradients of z and every
+    parameter of the Linears used equal the separate ops on relu_dropout's output (z's up to
+    the rounding of the stacked GEMM), with an output left unused."""
+    _dropout, z = _relu_dropped(torch.float32)
+    monkeypatch.setattr(_dense, "RELU_LINEAR_BYTES", 1000 * 64 * 4)
+    gen = torch.Generator().manual_seed(27)
+    w0, b0, w1 = _leaves(gen, torch.float32, (64, 64), (64,), (48, 64))
+    h = _dropout.relu_dropout(z, 0.5, 31, fusable=True)
+    outs = _dense.linear_group(h, (w0, b0), (w1, None))
+    assert _dropout.relu_dropout_of(h) is None and len(outs) == 2
+    h2 = _dropout.relu_dropout(z, 0.5, 31)
+    refs = (F.linear(h2, w0, b0), F.linear(h2, w1))
+    for o, r in zip(outs, refs):
+        assert torch.equal(o.detach(), r.detach())
+    leaves = [z, w0, b0, w1] if 0 in used else [z, w1]
+    gens = [torch.randn(refs[i].shape, generator=torch.Generator().manual_seed(40 + i))
+            for i in used]
+    got = torch.autograd.grad([outs[i] for i in used], leaves, gens)
+    want = torch.autograd.grad([refs[i] for i in used], leaves, gens)
+    for a, c in zip(got, want):
+        _close(a, c)
+
+
 def test_gcn_layer_two_takes_the_relu_dropout_backward(monkeypatch):
     """A 2-layer GCN (ngra.nn.GNN): layer 2's Linear takes relu_dropout's backward; output and
     parameter gradients equal those with the offer declined (same seeds)."""
