@@ -15,7 +15,8 @@ weight gradient of the Linear reading the input dropout between one kernel
 ("off"): the same sums, grouped otherwise. ``--fusion relu-linear`` switches the next layer's
 Linear taking the ReLU + dropout's backward into its own (``kernels._dense._ReluDropoutLinear``:
 ``g W`` and the mask a block of rows at a time, "on") against the Linear's backward then
-relu_dropout's ("off"): the same values (GCN's layer 2; GIN, GraphSAGE and GAT do not take it).
+relu_dropout's ("off"), and GIN's sum taking it into its transposed pass: the same values (GCN's
+and GraphSAGE's layer-2 Linears, GIN's layer-2 sum; GAT's ELU is not offered).
 
 A whole-epoch comparison across processes on a shared machine swings by 20-40%; here the two
 settings take turns epoch by epoch (off/on, then on/off) in one process, on one graph, model

@@ -206,7 +206,7 @@ def _weight_grads_dropped(x: torch.Tensor, p: float, seed: int, rows, gs) -> lis
 def _linear(x, weight, bias=None):
     operands = (x, weight) if bias is None else (x, weight, bias)
     if _linear_form(x, weight, bias) and usable((x.shape[0], weight.shape[0]), *operands):
-        act = _offered(x)
+        act = _offered(x, weight.shape[0])
         if act is not None:
             return _ReluDropoutLinear.apply(act[0], x.detach(), act[1], weight, bias)[0]
         return _Linear.apply(x, weight, bias)
@@ -279,11 +279,19 @@ class _ReluDropoutLinear(torch.autograd.Function):
         return tuple(grads)
 
 
-def _offered(x):
-    """``(z, scale)`` where ``x`` is an offered relu_dropout output a Linear may take (see
-    :class:`_ReluDropoutLinear`), the offer then ended; else None."""
+# the widest Linears (their outputs summed) that take relu_dropout's backward. Backward of Linears
+# on relu_dropout(z), z [1M, 64], the offer taken or not, taking turns (10-14 rounds, medians,
+# scratch script, 2026-11-28): one Linear to 16 features 177 -> 141 ms (0.80), 32 0.85, 48 0.86,
+# 64 0.87; two to 16 each 229 -> 200 (0.87); to 64 + 16, 405 -> 412 (1.02).
+RELU_LINEAR_MAX_WIDTH = 64
+
+
+def _offered(x, width):
+    """``(z, scale)`` where ``x`` is an offered relu_dropout output that Linears of ``width``
+    outputs in all take (see :class:`_ReluDropoutLinear`), the offer then ended; else None."""
     act = _dropout.relu_dropout_of(x)
-    if act is None or not (x.requires_grad and torch.is_grad_enabled()):
+    if (act is None or not (x.requires_grad and torch.is_grad_enabled())
+            or width > RELU_LINEAR_MAX_WIDTH):
         return None
     _dropout.forget(x)  # z need not outlive this call: the Function keeps only x
     return act
@@ -388,7 +396,7 @@ def linear_group(x: torch.Tensor, *linears) -> tuple:
             and all(_linear_form(x, w, b) and (b is None or b.shape[0] == w.shape[0])
                     for w, b in zip(ws, bs))
             and usable((x.shape[0], sum(w.shape[0] for w in ws)), *operands)):
-        act = _offered(x)
+        act = _offered(x, sum(w.shape[0] for w in ws))
         if act is not None:
             return _ReluDropoutLinear.apply(act[0], x.detach(), act[1], *wb)
         return _LinearGroup.apply(x, *wb)

@@ -86,13 +86,17 @@ class GNN(torch.nn.Module):
     def forward(self, g, x: torch.Tensor, **kwargs) -> torch.Tensor:
         if self.encoder is not None:
             x = self.encoder(_dropout(x, self.dropout, self.training, g))
+        from ..engine import current_engine
+        # the ReLU's output offered to the next layer's first op (kernels._dropout.relu_dropout)
+        # holds the layer's input until taken: not while streaming, where memory is what counts
+        offer = current_engine() is None
         for i, layer in enumerate(self.layers):
             # the activation after a layer and the dropout before the next: one op for ReLU,
-            # whose backward the next layer's first Linear can take into its own
+            # whose backward the next layer's first Linear (or GIN's sum) can take into its own
             if i == 0:
                 x = layer(g, _dropout(x, self.dropout, self.training, g), **kwargs)
                 continue
-            h = _act_dropout(x, self.activation, self.dropout, self.training, g, fusable=True)
+            h = _act_dropout(x, self.activation, self.dropout, self.training, g, fusable=offer)
             del x  # the ReLU's backward reads only h (x is held by h's offer until taken or forgotten)
             x = layer(g, h, **kwargs)
             _fast_dropout.forget(h)
