@@ -338,9 +338,9 @@ def gspmm_norm(csr, x, src_scale, dst_scale, self_weight=None, bias=None, backen
     # differentiable in the ReLU's input instead, the backward's transposed pass applying the
     # ReLU's and dropout's backward to each row it finishes (relu_dropout's own pass not run)
     act = _dropout.relu_dropout_of(x) if getattr(mod, "SPMM_NORM_MASK", False) else None
+    _dropout.forget(x)  # taken or not: z need not outlive this call (the Function keeps only x)
     if act is not None and x.requires_grad and torch.is_grad_enabled():
         z, scale = act
-        _dropout.forget(x)  # z need not outlive this call: the Function keeps only x
         return _GSpMMNorm.apply(csr, mod, z, s, a, c, bias, x.detach(), scale)
     return _GSpMMNorm.apply(csr, mod, x, s, a, c, bias, None, None)
 

@@ -288,12 +288,15 @@ RELU_LINEAR_MAX_WIDTH = 64
 
 def _offered(x, width):
     """``(z, scale)`` where ``x`` is an offered relu_dropout output that Linears of ``width``
-    outputs in all take (see :class:`_ReluDropoutLinear`), the offer then ended; else None."""
+    outputs in all take (see :class:`_ReluDropoutLinear`); else None. The offer ends here either
+    way: ``z`` need not outlive this call (the Function keeps only ``x``), nor, declined, wait
+    for the layer to return."""
     act = _dropout.relu_dropout_of(x)
-    if (act is None or not (x.requires_grad and torch.is_grad_enabled())
-            or width > RELU_LINEAR_MAX_WIDTH):
+    if act is None:
         return None
-    _dropout.forget(x)  # z need not outlive this call: the Function keeps only x
+    _dropout.forget(x)
+    if not (x.requires_grad and torch.is_grad_enabled()) or width > RELU_LINEAR_MAX_WIDTH:
+        return None
     return act
 
 

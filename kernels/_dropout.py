@@ -375,9 +375,9 @@ def relu_dropout_of(t: torch.Tensor):
     """``(x, scale)`` where ``t`` is, unchanged, the output of ``relu_dropout(x, p, seed,
     fusable=True)`` (``scale = 1 / (1 - p)`` as the kernel rounds it), else None. Its gradient
     with respect to ``x`` is then ``grad * scale`` where ``t > 0`` and 0 elsewhere, from ``t``
-    alone: a consumer whose backward makes ``t``'s gradient (a Linear: ``g W``) can finish it
-    there, a block of rows at a time, with ``x`` as its differentiable input in ``t``'s place
-    (``kernels._dense``)."""
+    alone: a consumer whose backward makes ``t``'s gradient (a Linear: ``g W``, a block of rows
+    at a time, ``kernels._dense``; GIN's sum: its transposed pass, ``kernels.gspmm_norm``) can
+    finish it there, with ``x`` as its differentiable input in ``t``'s place."""
     of = getattr(t, "_ngra_relu_dropout_of", None)
     if of is None:
         return None

@@ -634,15 +634,17 @@ def test_linear_group_of_a_fusable_relu_dropout_takes_its_backward(used, monkeyp
     input): one Function differentiable in z; the outputs and the gradients of z and every
     parameter of the Linears used equal the separate ops on relu_dropout's output (z's up to
     the rounding of the stacked GEMM), with an output left unused. Linears wider than
-    RELU_LINEAR_MAX_WIDTH in all decline the offer."""
+    RELU_LINEAR_MAX_WIDTH in all decline the offer (and end it: z is not held on)."""
     _dropout, z = _relu_dropped(torch.float32, rows=2 * (N + 37))  # results >= 1 MiB
     monkeypatch.setattr(_dense, "RELU_LINEAR_BYTES", 1000 * 64 * 4)
     gen = torch.Generator().manual_seed(27)
     w0, b0, w1 = _leaves(gen, torch.float32, (32, 64), (32,), (16, 64))
     wide = _leaves(gen, torch.float32, (64, 64))[0]
     h = _dropout.relu_dropout(z, 0.5, 31, fusable=True)
-    _dense.linear_group(h, (w0, b0), (wide, None))  # 96 wide: declined, the offer stands
-    assert _dropout.relu_dropout_of(h) is not None
+    declined = _dense.linear_group(h, (w0, b0), (wide, None))  # 96 wide: declined, offer ended
+    assert _dropout.relu_dropout_of(h) is None
+    assert declined[1].grad_fn.next_functions[0][0] is h.grad_fn  # through relu_dropout's node
+    h = _dropout.relu_dropout(z, 0.5, 31, fusable=True)
     outs = _dense.linear_group(h, (w0, b0), (w1, None))
     assert _dropout.relu_dropout_of(h) is None and len(outs) == 2
     h2 = _dropout.relu_dropout(z, 0.5, 31)
