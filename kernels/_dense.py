@@ -213,6 +213,26 @@ def _linear(x, weight, bias=None):
     return NotImplemented
 
 
+def _side_by_side(gs, idx):
+    """The gradients ``gs[i]`` of Linears ``i in idx`` as one [N, sum out] tensor (the one
+    gradient itself for a single Linear)."""
+    if len(idx) == 1:
+        return gs[idx[0]]
+    parts = [gs[i] for i in idx]
+    width = sum(g.shape[1] for g in parts)
+    return _out(torch.cat, (parts[0].shape[0], width), parts[0].dtype, parts, 1)
+
+
+def _cut_rows(stacked, gs, idx):
+    """The weight gradients of Linears ``idx`` from one GEMM over their gradients side by side
+    (``stacked`` [sum out, in]): each Linear's rows, its own tensor where there are several."""
+    bounds = [0]
+    for i in idx:
+        bounds.append(bounds[-1] + gs[i].shape[1])
+    gw = [stacked[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [t.clone() for t in gw] if len(idx) > 1 else gw
+
+
 class _ReluDropoutLinear(torch.autograd.Function):
     """``F.linear(a, w_i, b_i)`` for one or more Linears (``wb`` = ``w_0, b_0, ...``, a bias may
     be None) on ``a = relu_dropout(z, p, seed)`` (``kernels._dropout``, offered as fusable),
@@ -242,16 +262,8 @@ class _ReluDropoutLinear(torch.autograd.Function):
         need = ctx.needs_input_grad
         live = [i for i, g in enumerate(gs) if g is not None]
         grads = [None] * len(need)
-
-        def side_by_side(idx):  # the gradients of Linears idx as one [N, sum out] tensor
-            if len(idx) == 1:
-                return gs[idx[0]]
-            parts = [gs[i] for i in idx]
-            return _out(torch.cat, (parts[0].shape[0], sum(g.shape[1] for g in parts)),
-                        parts[0].dtype, parts, 1)
-
         if need[0] and live:
-            gc = side_by_side(live)
+            gc = _side_by_side(gs, live)
             w = ws[live[0]] if len(live) == 1 else torch.cat([ws[i] for i in live])
             if torch.is_grad_enabled():  # create_graph: torch's differentiable ops
                 grads[0] = gc.mm(w).mul(ctx.scale) * (a > 0).to(gc.dtype)
@@ -267,12 +279,9 @@ class _ReluDropoutLinear(torch.autograd.Function):
                                                                  grad_input=gz[r0:r1])
         wanted = [i for i in live if need[3 + 2 * i]]
         if wanted:  # one weight-gradient GEMM over a, cut into the Linears' rows
-            stacked = _weight_grad(a, side_by_side(wanted))
-            bounds = [0]
-            for i in wanted:
-                bounds.append(bounds[-1] + gs[i].shape[1])
-            for i, lo, hi in zip(wanted, bounds, bounds[1:]):
-                grads[3 + 2 * i] = stacked[lo:hi] if len(wanted) == 1 else stacked[lo:hi].clone()
+            gw = _cut_rows(_weight_grad(a, _side_by_side(gs, wanted)), gs, wanted)
+            for i, t in zip(wanted, gw):
+                grads[3 + 2 * i] = t
         for i in live:
             if ctx.has_bias[i] and need[4 + 2 * i]:
                 grads[4 + 2 * i] = gs[i].sum(0)
@@ -335,31 +344,17 @@ class _LinearGroup(torch.autograd.Function):
         need = ctx.needs_input_grad
         live = [i for i, g in enumerate(gs) if g is not None]
         grads = [None] * len(need)
-
-        def side_by_side(idx):  # the gradients of Linears idx as one [N, sum out] tensor
-            if len(idx) == 1:
-                return gs[idx[0]]
-            parts = [gs[i] for i in idx]
-            width = sum(g.shape[1] for g in parts)
-            return _out(torch.cat, (parts[0].shape[0], width), parts[0].dtype, parts, 1)
-
         gc = None
         if need[0] and live:
-            gc = side_by_side(live)
+            gc = _side_by_side(gs, live)
             w = ws[live[0]] if len(live) == 1 else torch.cat([ws[i] for i in live])
             grads[0] = _out(torch.mm, (gc.shape[0], w.shape[1]), gc.dtype, gc, w)
         wanted = [i for i in live if need[1 + 2 * i]]
         if wanted:
             if ctx.remat is None:  # one weight-gradient GEMM over x, cut into the Linears' rows
                 if gc is None or len(wanted) != len(live):
-                    gc = side_by_side(wanted)
-                stacked = _weight_grad(x, gc)
-                bounds = [0]
-                for i in wanted:
-                    bounds.append(bounds[-1] + gs[i].shape[1])
-                gw = [stacked[a:b] for a, b in zip(bounds, bounds[1:])]
-                if len(wanted) > 1:
-                    gw = [t.clone() for t in gw]  # each parameter's own gradient tensor
+                    gc = _side_by_side(gs, wanted)
+                gw = _cut_rows(_weight_grad(x, gc), gs, wanted)
             elif torch.is_grad_enabled():  # create_graph: through the differentiable dropout
                 xd = _dropout.recompute(x, *ctx.remat[1:])
                 gw = [_weight_grad(xd, gs[i]) for i in wanted]

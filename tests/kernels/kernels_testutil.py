@@ -161,3 +161,19 @@ def ref_edge_softmax(csr, scores):
         if ks:
             out[ks] = torch.softmax(scores[ks], dim=0)
     return out
+
+
+def offered_and_declined(monkeypatch, model, g, x):
+    """``[(out, grads), (out2, grads2)]``: ``model(g, x)`` and the gradients of its parameters
+    (of ``out.square().sum()``) with relu_dropout's offer to the next layer, then with every
+    offer declined (``kernels._dropout.relu_dropout_of`` patched), the same seeds drawn."""
+    from kernels import _dropout
+    runs = []
+    for offered in (True, False):
+        if not offered:
+            monkeypatch.setattr(_dropout, "relu_dropout_of", lambda t: None)
+        torch.manual_seed(5)
+        out = model(g, x)
+        runs.append((out.detach(), torch.autograd.grad(out.square().sum(),
+                                                       list(model.parameters()))))
+    return runs

@@ -664,7 +664,7 @@ def test_gcn_layer_two_takes_the_relu_dropout_backward(monkeypatch):
     """A 2-layer GCN (ngra.nn.GNN): layer 2's Linear takes relu_dropout's backward; output and
     parameter gradients equal those with the offer declined (same seeds)."""
     import ngra
-    from kernels import _dropout
+    from kernels_testutil import offered_and_declined
     from ngra.nn import build_model
     n = 4096
     gen = torch.Generator().manual_seed(26)
@@ -677,16 +677,8 @@ def test_gcn_layer_two_takes_the_relu_dropout_backward(monkeypatch):
     real = _dense._ReluDropoutLinear.apply
     monkeypatch.setattr(_dense._ReluDropoutLinear, "apply",
                         lambda *a: calls.append(1) or real(*a))
-    runs = []
-    for offered in (True, False):
-        if not offered:
-            monkeypatch.setattr(_dropout, "relu_dropout_of", lambda t: None)
-        torch.manual_seed(5)
-        out = model(g, x)
-        runs.append((out.detach(), torch.autograd.grad(out.square().sum(),
-                                                       list(model.parameters()))))
+    (out, grads), (out2, grads2) = offered_and_declined(monkeypatch, model, g, x)
     assert calls == [1]
-    (out, grads), (out2, grads2) = runs
     assert torch.equal(out, out2)
     for a, c in zip(grads, grads2):
         _close(a, c)

@@ -238,7 +238,8 @@ def test_gin_layer_two_takes_the_relu_dropout_backward(monkeypatch):
     """A 2-layer GIN (ngra.nn.GNN): layer 2's sum takes relu_dropout's backward into its
     transposed pass; output and parameter gradients equal those with the offer declined."""
     import ngra
-    from kernels import _api, _dropout
+    from kernels import _api
+    from kernels_testutil import offered_and_declined
     from ngra.nn import build_model
     n = 500
     gen = torch.Generator().manual_seed(34)
@@ -251,16 +252,8 @@ def test_gin_layer_two_takes_the_relu_dropout_backward(monkeypatch):
     real = _api._GSpMMNorm.apply
     monkeypatch.setattr(_api._GSpMMNorm, "apply",
                         lambda *a: taken.append(a[-1] is not None) or real(*a))
-    runs = []
-    for offered in (True, False):
-        if not offered:
-            monkeypatch.setattr(_dropout, "relu_dropout_of", lambda t: None)
-        torch.manual_seed(5)
-        out = model(gr, x)
-        runs.append((out.detach(), torch.autograd.grad(out.square().sum(),
-                                                       list(model.parameters()))))
+    (out, grads), (out2, grads2) = offered_and_declined(monkeypatch, model, gr, x)
     assert taken == [False, True, False, False]  # layer 2 of the first run
-    (out, grads), (out2, grads2) = runs
     assert torch.equal(out, out2)
     for a, c in zip(grads, grads2):
         assert torch.equal(a, c)
