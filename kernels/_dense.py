@@ -96,6 +96,7 @@ class _Linear(torch.autograd.Function):
         # x the dropout of a tensor kept anyway (a model's input features): that tensor is kept
         # instead, and x made again in backward (an [N, in] tensor less from here to there)
         ctx.remat = _dropout.recipe(x) if need[1] else None
+        ctx.mask = _dropout.mask_of(x) if ctx.remat is not None else None
         keep = ctx.remat[0] if ctx.remat is not None else x
         ctx.save_for_backward(keep if need[1] else None, weight if need[0] else None)
         ctx.has_bias = bias is not None
@@ -113,7 +114,7 @@ class _Linear(torch.autograd.Function):
             elif torch.is_grad_enabled():  # create_graph: through the differentiable dropout
                 gw = _weight_grad(_dropout.recompute(x, *ctx.remat[1:]), g)
             else:
-                gw = _weight_grad_dropped(x, *ctx.remat[1:], g)
+                gw = _weight_grad_dropped(x, *ctx.remat[1:], g, ctx.mask)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.sum(0)
         return gx, gw, gb
@@ -176,28 +177,29 @@ def _finish(acc, wide):
     return acc.t().contiguous() if wide else acc
 
 
-def _weight_grad_dropped(x: torch.Tensor, p: float, seed: int, rows, g: torch.Tensor):
+def _weight_grad_dropped(x: torch.Tensor, p: float, seed: int, rows, g: torch.Tensor, mask=None):
     """:func:`_weight_grad` of ``dropout(x, p, seed, rows)`` (``kernels._dropout``) and ``g``, the
     dropout made again 16 MiB of rows at a time (``_dropout.chunks``) and each chunk's
     product accumulated in row order: no [N, in] tensor (fresh pages, or a cached block held
     for it), its writes and reads in cache. The same sums as :func:`_weight_grad`'s GEMM in
-    another grouping (equal up to rounding)."""
-    return _weight_grads_dropped(x, p, seed, rows, [g])[0]
+    another grouping (equal up to rounding). ``mask``: the dropout's keep flags
+    (``_dropout.mask_of``), read instead of hashing each element again."""
+    return _weight_grads_dropped(x, p, seed, rows, [g], mask)[0]
 
 
-def _weight_grads_dropped(x: torch.Tensor, p: float, seed: int, rows, gs) -> list:
+def _weight_grads_dropped(x: torch.Tensor, p: float, seed: int, rows, gs, mask=None) -> list:
     """:func:`_weight_grad_dropped` for several gradients ``gs`` of Linears sharing the dropout
     ``x``: the dropout made again once for all of them, each chunk's products for every ``g``
     while the chunk is in cache. Where it applies (float32, gradients 16 to 192 wide in all, the
     whole tensor's dropout), one numba kernel makes the dropout again a block of rows at a time
     and takes the products in register tiles (``kernels._dropout.weight_grads``)."""
     if rows is None:
-        fused = _dropout.weight_grads(x, p, seed, gs)
+        fused = _dropout.weight_grads(x, p, seed, gs, mask)
         if fused is not None:
             return fused
     wide = [_wide(x, g) for g in gs]
     accs = [_accumulator(x.shape[1], g.shape[1], w, g.dtype) for g, w in zip(gs, wide)]
-    for r0, r1, xd in _dropout.chunks(x, p, seed, rows):
+    for r0, r1, xd in _dropout.chunks(x, p, seed, rows, mask):
         for acc, g, w in zip(accs, gs, wide):
             _accumulate(acc, w, xd, g[r0:r1])
     return [_finish(acc, w) for acc, w in zip(accs, wide)]
@@ -332,6 +334,7 @@ class _LinearGroup(torch.autograd.Function):
         need = ctx.needs_input_grad
         need_w = any(need[1::2])
         ctx.remat = _dropout.recipe(x) if need_w else None
+        ctx.mask = _dropout.mask_of(x) if ctx.remat is not None else None
         keep = ctx.remat[0] if ctx.remat is not None else x
         ctx.save_for_backward(keep if need_w else None, *(ws if need[0] else ()))
         ctx.has_bias = tuple(b is not None for b in bs)
@@ -359,7 +362,7 @@ class _LinearGroup(torch.autograd.Function):
                 xd = _dropout.recompute(x, *ctx.remat[1:])
                 gw = [_weight_grad(xd, gs[i]) for i in wanted]
             else:
-                gw = _weight_grads_dropped(x, *ctx.remat[1:], [gs[i] for i in wanted])
+                gw = _weight_grads_dropped(x, *ctx.remat[1:], [gs[i] for i in wanted], ctx.mask)
             for i, t in zip(wanted, gw):
                 grads[1 + 2 * i] = t
         for i in live:

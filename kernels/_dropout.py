@@ -50,6 +50,17 @@ def _dropout_kernel(x, out, seed, threshold, scale, base):
         out[i] = x[i] * (scale if _keep(seed, np.uint64(i) + base, threshold) else zero)
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def _dropout_mask_kernel(x, out, keep, seed, threshold, scale):
+    """``_dropout_kernel``'s values of a whole flat tensor, and each element's keep flag (1 kept,
+    0 dropped) in ``keep`` (uint8)."""
+    zero = scale - scale
+    for i in prange(x.shape[0]):
+        k = _keep(seed, np.uint64(i), threshold)
+        keep[i] = k
+        out[i] = x[i] * (scale if k else zero)
+
+
 def _scalar(v: float, dtype: torch.dtype):
     """``v`` in the kernels' arithmetic type for ``dtype`` (float32 rounds it)."""
     return np.float32(v) if dtype == torch.float32 else float(v)
@@ -69,23 +80,29 @@ def _kernel_args(p: float, seed, dtype: torch.dtype) -> tuple:
     return np.uint64(seed), np.uint64(_threshold(p)), _scalar(1.0 / (1.0 - p), dtype)
 
 
-def _apply(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+def _apply(x: torch.Tensor, p: float, seed: int, masks=None) -> torch.Tensor:
+    """The dropout of ``x``; with a list ``masks``, its keep flags (:func:`mask_of`) appended."""
     xc = x.detach().contiguous()
     out = _CACHE.empty(tuple(xc.shape), xc.dtype)
-    _dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1),
-                    *_kernel_args(p, seed, xc.dtype), np.uint64(0))
+    args = _kernel_args(p, seed, xc.dtype)
+    if masks is None:
+        _dropout_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), *args, np.uint64(0))
+    else:
+        keep = _CACHE.empty_numpy((xc.numel(),), np.uint8)
+        _dropout_mask_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), keep, *args)
+        masks.append(keep)
     return out
 
 
 class _Dropout(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, p, seed):
+    def forward(ctx, x, p, seed, masks):
         ctx.p, ctx.seed = p, seed
-        return _apply(x, p, seed)
+        return _apply(x, p, seed, masks)
 
     @staticmethod
     def backward(ctx, grad):
-        return _apply(grad, ctx.p, ctx.seed), None, None
+        return _apply(grad, ctx.p, ctx.seed), None, None, None
 
 
 def dropout(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,16 +111,18 @@ def dropout(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = No
     ``0 < p < 1`` (see :func:`supported`). ``rows`` (int64 [R], non-negative): ``x`` holds rows
     ``rows`` of a larger tensor, and gets exactly their part of that tensor's mask (element j of
     row r is element ``rows[r] * width + j``)."""
-    out = _raw(x, float(p), int(seed), rows)
+    masks = [] if rows is None else None
+    out = _raw(x, float(p), int(seed), rows, masks)
     # how to make ``out`` again (see :func:`recompute`), for a consumer that would keep it
-    out._ngra_dropout_of = (x, x._version, out._version, float(p), int(seed), rows)
+    out._ngra_dropout_of = (x, x._version, out._version, float(p), int(seed), rows,
+                            masks[0] if masks else None)
     return out
 
 
-def _raw(x, p, seed, rows):
+def _raw(x, p, seed, rows, masks=None):
     if rows is not None:
         return edge_dropout(x, rows, seed, _threshold(p), 1.0 / (1.0 - p))
-    return _Dropout.apply(x, p, seed)
+    return _Dropout.apply(x, p, seed, masks)
 
 
 def recipe(t: torch.Tensor):
@@ -114,10 +133,23 @@ def recipe(t: torch.Tensor):
     of = getattr(t, "_ngra_dropout_of", None)
     if of is None:
         return None
-    x, x_version, t_version, p, seed, rows = of
+    x, x_version, t_version, p, seed, rows, _ = of
     if x._version != x_version or t._version != t_version:  # changed in place since
         return None
     return x, p, seed, rows
+
+
+def mask_of(t: torch.Tensor):
+    """Where :func:`recipe` gives ``t``'s recipe and ``t`` is a whole tensor's dropout (no
+    ``rows``): the keep flag of each of its elements (uint8 numpy [t.numel()], 1 kept, 0
+    dropped), written by the forward kernel beside the output, so that a consumer making ``t``
+    again in cache (:func:`weight_grads`, :func:`chunks`) reads a byte per element instead of
+    hashing it again (``WG_ROWS``). Else None. A quarter of a float32 ``t``'s bytes, held as
+    long as ``t``'s tag or a consumer's context holds it (torch's own dropout keeps a bool mask
+    of the same size for its backward)."""
+    if recipe(t) is None:
+        return None
+    return t._ngra_dropout_of[6]
 
 
 def recompute(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = None):
@@ -133,10 +165,20 @@ def recompute(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = 
 CHUNK_BYTES = 16 << 20
 
 
-def chunks(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = None):
+@njit(parallel=True, cache=True, nogil=True)
+def _masked_kernel(x, out, keep, scale):
+    """``out[i] = x[i] * scale`` where ``keep[i]``, else +0 (a dropout from its keep flags)."""
+    zero = scale - scale
+    for i in prange(x.shape[0]):
+        out[i] = x[i] * (scale if keep[i] else zero)
+
+
+def chunks(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = None, mask=None):
     """``(r0, r1, rows r0:r1 of dropout(x, p, seed, rows))`` for consecutive row ranges of ``x``
     [N, F] covering it, each about ``CHUNK_BYTES``, made again in one reused buffer (valid until
-    the next step): the values of :func:`dropout`'s, bit for bit, without an [N, F] tensor."""
+    the next step): the values of :func:`dropout`'s, bit for bit, without an [N, F] tensor.
+    ``mask``: the dropout's keep flags (:func:`mask_of`; ``rows`` None), read instead of hashing
+    each element again."""
     xc = x.detach().contiguous()
     n, width = xc.shape[0], math.prod(xc.shape[1:])
     step = max(1, CHUNK_BYTES // max(1, width * xc.element_size()))
@@ -146,8 +188,11 @@ def chunks(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = Non
         flat, bflat = xc.numpy().reshape(-1), buf.numpy().reshape(-1)
 
         def make(r0, r1):
-            _dropout_kernel(flat[r0 * width:r1 * width], bflat[:(r1 - r0) * width], *args,
-                            np.uint64(r0 * width))
+            a, b = r0 * width, r1 * width
+            if mask is not None:
+                _masked_kernel(flat[a:b], bflat[:b - a], mask[a:b], args[2])
+            else:
+                _dropout_kernel(flat[a:b], bflat[:b - a], *args, np.uint64(a))
     else:  # a worker's piece: each row's mask by its global row (edge_dropout)
         x2, b2, ids = xc.numpy().reshape(n, width), buf.numpy().reshape(-1, width), rows.numpy()
 
@@ -191,6 +236,15 @@ def _dropout_block(src, buf, base, seed, threshold, scale):
 
 
 @njit(inline="always")
+def _mask_block(src, buf, keep, scale):
+    """``buf[i] = src[i] * scale`` where ``keep[i]``, else +0: :func:`_dropout_block`'s values
+    from the dropout's keep flags (:func:`mask_of`)."""
+    zero = scale - scale
+    for i in range(src.shape[0]):
+        buf[i] = src[i] * (scale if keep[i] else zero)
+
+
+@njit(inline="always")
 def _fold(acc, tile, k0, kt, c0):
     """``acc[k0:k0 + kt, c0:c0 + _JT] += tile[:kt]`` (float64 sums of a block's tile)."""
     for i in range(kt):
@@ -199,12 +253,13 @@ def _fold(acc, tile, k0, kt, c0):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _weight_grads_kernel(x, gs, offs, seed, threshold, scale, nthreads):
+def _weight_grads_kernel(x, gs, offs, seed, threshold, scale, nthreads, keep):
     """``acc[:, offs[q]:offs[q + 1]] = dropout(x)^T gs[q]`` for every gradient ``gs[q]`` [N,
     J_q] (J_q >= _JT), in float64 ([K, sum J]); ``x`` [N, K] C-contiguous. Threads take
     consecutive runs of WG_ROWS-row blocks; a block's products are summed in x's type in
     registers (``_outer_tile``: _KT features at a time, then 4, 2 and 1 for the last K % _KT),
-    then added to the thread's float64 sums."""
+    then added to the thread's float64 sums. ``keep``: the dropout's keep flags (uint8 [N K]),
+    read instead of hashing each element again, or empty to hash."""
     n, K = x.shape
     nb = (n + WG_ROWS - 1) // WG_ROWS
     per = (nb + nthreads - 1) // nthreads
@@ -218,7 +273,10 @@ def _weight_grads_kernel(x, gs, offs, seed, threshold, scale, nthreads):
         for b in range(t * per, min(nb, (t + 1) * per)):
             r0 = b * WG_ROWS
             m = min(n, r0 + WG_ROWS) - r0
-            _dropout_block(xf[r0 * K:(r0 + m) * K], buf, r0 * K, seed, threshold, scale)
+            if keep.size:
+                _mask_block(xf[r0 * K:(r0 + m) * K], buf, keep[r0 * K:(r0 + m) * K], scale)
+            else:
+                _dropout_block(xf[r0 * K:(r0 + m) * K], buf, r0 * K, seed, threshold, scale)
             for q in range(len(gs)):
                 gb = gs[q][r0:r0 + m]
                 J, o = gb.shape[1], offs[q]
@@ -251,7 +309,10 @@ def _weight_grads_kernel(x, gs, offs, seed, threshold, scale, nthreads):
     return accs
 
 
-def weight_grads(x: torch.Tensor, p: float, seed: int, gs) -> list | None:
+_NO_MASK = np.zeros(0, np.uint8)
+
+
+def weight_grads(x: torch.Tensor, p: float, seed: int, gs, mask=None) -> list | None:
     """``[g^T dropout(x, p, seed) for g in gs]`` ([out, in] each: the weight gradients of Linears
     reading the dropout of ``x`` [N, in]), in one pass over ``x``: each block of rows' dropout
     made again in cache and its products taken there, so neither the dropout [N, in] nor a
@@ -259,7 +320,8 @@ def weight_grads(x: torch.Tensor, p: float, seed: int, gs) -> list | None:
     threads to torch's. Sums in float64 of per-block float32 sums: as exact as torch's GEMM or
     more, and the same bits for any thread count (up to the final rounding of the float64 sums).
     None where it does not apply (then :func:`chunks` and torch's GEMMs): float32 on the CPU,
-    every ``g`` [N, >= 16] float32, at most WG_MAX_WIDTH columns in all."""
+    every ``g`` [N, >= 16] float32, at most WG_MAX_WIDTH columns in all. ``mask``: the dropout's
+    keep flags (:func:`mask_of`), read instead of hashing each element again."""
     if (x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or not gs
             or any(g.dtype != x.dtype or g.dim() != 2 or g.shape[0] != x.shape[0]
                    or g.device.type != "cpu" or g.shape[1] < _JT for g in gs)
@@ -271,7 +333,7 @@ def weight_grads(x: torch.Tensor, p: float, seed: int, gs) -> list | None:
     offs[1:] = np.cumsum([g.shape[1] for g in garr])
     nthreads = numba.get_num_threads()
     accs = _weight_grads_kernel(xc.numpy(), garr, offs, *_kernel_args(p, seed, xc.dtype),
-                                nthreads)
+                                nthreads, _NO_MASK if mask is None else mask)
     acc = torch.from_numpy(accs.sum(0).T).to(x.dtype)
     return [acc[a:b].contiguous() for a, b in zip(offs[:-1], offs[1:])]
 

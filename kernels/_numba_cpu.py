@@ -28,8 +28,8 @@ from ._cpu.softmax import (_edge_dst, _edge_softmax, _edge_softmax_backward,
                           _edge_softmax_backward_rows, _edge_softmax_ordered,
                           _edge_softmax_ordered1)
 from ._cpu.sddmm import _sddmm, _sddmm_uv, _sddmm_uv_dot
-from ._cpu.spmm import (_maxmin_grad_e, _maxmin_grad_u, _spmm_maxmin, _spmm_mul_grads, _spmm_norm,
-                        _spmm_sum)
+from ._cpu.spmm import (_maxmin_grad_e, _maxmin_grad_u, _prescale, _spmm_maxmin, _spmm_mul_grads,
+                        _spmm_norm, _spmm_sum)
 from ._ops import bcast_offsets, out_feat_shape
 from ._outcache import CACHE as _CACHE
 from ._scalar import _CODE, _TARGET
@@ -275,6 +275,15 @@ def spmm_mul_grads(csr, g, u, e):
 
 
 SPMM_NORM_MASK = True  # spmm_norm takes ``mask`` (kernels._api.gspmm_norm asks)
+# spmm_norm scales the source rows in a pass of their own (_prescale) where the rows are at most
+# PRESCALE_MAX_ROW_BYTES and the graph has at least PRESCALE_MIN_DEGREE edges per vertex: the
+# kernel's source scale costs a dependent load, its prefetch and a multiply per edge, the pass
+# 2 N F items of streaming. gspmm_norm's forward with the pass against without it (same bits; 11
+# rounds taking turns, median, scratch script, 2026-11-28): R-MAT 1M / 16M F = 8 0.84, 16 0.89,
+# 32 0.93, 64 1.01; uniform 1M vertices, 8 edges each, F = 8 0.84, 32 0.91, 64 1.02; 4 edges
+# each F = 16 0.93, 64 1.03; 2 edges each F = 16 1.09, 64 1.20.
+PRESCALE_MAX_ROW_BYTES = 128
+PRESCALE_MIN_DEGREE = 4
 
 
 def spmm_norm(csr, x, s, a, c, b, col_sum=False, mask=None, mask_scale=1.0):
@@ -296,11 +305,19 @@ def spmm_norm(csr, x, s, a, c, b, col_sum=False, mask=None, mask_scale=1.0):
     none = np.zeros((0, 1), dtype=U.dtype)
     out = _CACHE.empty((csr.num_dst, lo), x.dtype)
     sums = np.zeros((parts.size - 1 if col_sum else 0, lo), dtype=np.float64)
-    _launch(_spmm_norm, parts, bptr, nblk, bind, U, none if s is None else _flat(s, csr.num_src),
+    S, ksums = none if s is None else _flat(s, csr.num_src), sums
+    if (s is not None and row_bytes <= PRESCALE_MAX_ROW_BYTES
+            and csr.num_edges >= PRESCALE_MIN_DEGREE * csr.num_src):
+        # the scaled rows first, in a scratch array (the column sums from the same pass), then
+        # the unscaled kernel on them: the same bits (see _prescale)
+        scaled = _CACHE.empty_numpy(U.shape, U.dtype)
+        _launch(_prescale, parts, U, S, scaled, sums)
+        U, S, ksums = scaled, none, sums[:0]
+    _launch(_spmm_norm, parts, bptr, nblk, bind, U, S,
             none if a is None else _flat(a, csr.num_src),
             none if c is None else _flat(c, csr.num_dst),
             none[:, 0] if b is None else b.detach().reshape(lo).contiguous().numpy(),
-            out.numpy(), _EMPTY_OFF, _EMPTY_OFF, _prefetch_distance(row_bytes), sums,
+            out.numpy(), _EMPTY_OFF, _EMPTY_OFF, _prefetch_distance(row_bytes), ksums,
             np.zeros((0, lo), dtype=U.dtype) if mask is None else _flat(mask, csr.num_dst),
             U.dtype.type(mask_scale))
     out = out.reshape((csr.num_dst,) + tuple(x.shape[1:]))

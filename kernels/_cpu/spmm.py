@@ -192,6 +192,29 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf, S
 
 
 @njit(parallel=True, cache=True, nogil=True)
+def _prescale(parts, U, S, out, SUM):
+    """``out[v] = S[v] * U[v]`` for every row (``S`` [N, 1]), parts in parallel, with
+    :func:`_spmm_norm`'s column sums of ``U`` (``SUM`` [parts, F], or empty for none) taken in
+    the same pass, row by row in part order as its epilogue takes them: the same bits. A
+    :func:`_spmm_norm` of ``out`` without ``S`` then gives the same bits as one of ``U`` with it
+    (its terms are ``S[u] * U[u]`` rounded first, then added), and runs faster: see
+    ``kernels._numba_cpu.spmm_norm``."""
+    lo = U.shape[1]
+    has_sum = SUM.shape[0] > 0
+    for p in prange(parts.size - 1):
+        for v in range(parts[p], parts[p + 1]):
+            s = S[v, 0]
+            urow = U[v]
+            orow = out[v]
+            if has_sum:
+                srow = SUM[p]
+                for f in range(lo):
+                    srow[f] += urow[f]
+            for f in range(lo):
+                orow[f] = s * urow[f]
+
+
+@njit(parallel=True, cache=True, nogil=True)
 def _spmm_mul_grads(tparts, tbptr, nblk, tindices, teids, G, W, U, GU, GE, pf, one_pass):
     """Gradients w.r.t. u and the weights of ``out = u_mul_e/sum(u, e)`` with one weight per edge
     and head, ``W`` [E, H] against rows of H heads of ``GU.shape[1] // H`` features (H = 1: one

@@ -4,6 +4,7 @@ vertex dropout keeps about 1 - p of the elements, scaled, with its mask fixed by
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -222,6 +223,31 @@ def test_weight_grads_kernel_equals_the_dense_product(rows, width, outs):
         # the mask is the dropout's: a product with a differently seeded mask is far off
         other = g.double().t() @ _dropout.dropout(x, 0.4, 4322).double()
         assert float((w.double() - other).abs().max()) > 1e-3 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_keep_flags_make_the_dropout_again_bit_for_bit(dtype):
+    """``dropout`` writes each element's keep flag beside its output (``mask_of``): the weight
+    gradients (``weight_grads``, float32) and the chunks (``chunks``) made from the flags are the
+    same bits as those that hash each element again, and the flags are the dropout's own."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(777, 40, generator=gen, dtype=dtype)
+    g = torch.randn(777, 24, generator=gen, dtype=dtype)
+    xd = _dropout.dropout(x, 0.3, 99)
+    mask = _dropout.mask_of(xd)
+    assert mask is not None and mask.dtype == np.uint8 and mask.shape == (x.numel(),)
+    assert torch.equal(torch.from_numpy(mask).bool(), (xd != 0).reshape(-1))
+    if dtype == torch.float32:
+        assert torch.equal(_dropout.weight_grads(x, 0.3, 99, [g], mask)[0],
+                           _dropout.weight_grads(x, 0.3, 99, [g])[0])
+    for (a0, a1, ca), (b0, b1, cb) in zip(_dropout.chunks(x, 0.3, 99, None, mask),
+                                          _dropout.chunks(x, 0.3, 99)):
+        assert (a0, a1) == (b0, b1) and torch.equal(ca, cb) and torch.equal(ca, xd[a0:a1])
+    # none once the output or its input changed in place (its recipe is void), nor for a
+    # worker's piece (rows): its flags are not written
+    xd.mul_(2)
+    assert _dropout.mask_of(xd) is None
+    assert _dropout.mask_of(_dropout.dropout(x, 0.3, 99, torch.arange(777))) is None
 
 
 def test_weight_grads_kernel_is_the_same_for_any_thread_count():

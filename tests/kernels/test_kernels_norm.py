@@ -81,6 +81,32 @@ def test_float32_same_bits_as_copy_u_of_scaled_rows(index_dtype):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("nblk", [None, 3])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_prescaled_rows_same_bits_as_the_kernels_scale(monkeypatch, nblk, with_mask):
+    """Where the rows are narrow and the graph dense enough, spmm_norm scales the source rows in
+    a pass of their own (_prescale) and runs the kernel without the scale: the output and the
+    column sums (the bias gradient) are the same bits as the kernel's own scaling, with every
+    term and the mask."""
+    monkeypatch.setattr(_numba_cpu, "_FORCE_BLOCKS", nblk)
+    calls = []
+    real = _numba_cpu._prescale
+    monkeypatch.setattr(_numba_cpu, "_prescale", lambda *a: calls.append(1) or real(*a))
+    graph = GRAPHS[GRAPH_IDS.index("random")]
+    csr = make_csr(graph)
+    x, s, c, a, b = (t.detach().float() for t in _inputs(graph[3], (6,), torch.float64, 31))
+    mask = rand(tuple(x.shape), torch.float32, 32) if with_mask else None
+    got = {}
+    for min_degree in (0, 10**9):
+        monkeypatch.setattr(_numba_cpu, "PRESCALE_MIN_DEGREE", min_degree)
+        got[min_degree] = _numba_cpu.spmm_norm(csr, x, s.reshape(-1, 1), a.reshape(-1, 1), c, b,
+                                               col_sum=True, mask=mask, mask_scale=2.0)
+        assert len(calls) == 1  # taken by the first call only
+    (out, sums), (ref_out, ref_sums) = got[0], got[10**9]
+    assert torch.equal(out, ref_out) and torch.equal(sums, ref_sums)
+    torch.testing.assert_close(sums, x.sum(0))
+
+
 @pytest.mark.parametrize("self_weight", [None, 1.5])
 def test_without_scales_same_bits_as_copy_u_then_the_self_term(self_weight):
     """No scales (GIN's sum): the rows are summed as copy_u sums them, bit for bit, then the self
