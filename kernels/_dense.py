@@ -10,11 +10,12 @@ with ``out=`` a cached block (forward and backward), so the values are torch's t
 training loop's [N, F] results reuse warm pages (``benchmarks/README.md``, e2e).
 
 A Linear whose input is the output of ``kernels._dropout.dropout`` (a model's dropout of its input
-features) keeps the dropout's input, which the caller keeps anyway, instead of its output, and
-its backward makes the dropout again for the weight gradient, a block of rows at a time (in the
-weight-gradient kernel ``kernels._dropout.weight_grads`` where it applies, else 16 MiB of rows
-at a time for torch's GEMMs): an [N, in] tensor less from the forward to the end of backward
-(512 MiB for R-MAT's 1M x 128 features; the e2e benchmark's peak RSS), and no [N, in] block to
+features) keeps the dropout's input, which the caller keeps anyway, and the dropout's byte mask
+(``kernels._dropout.mask_of``) instead of its output, and its backward makes the dropout again
+for the weight gradient, a block of rows at a time (in the weight-gradient kernel
+``kernels._dropout.weight_grads`` where it applies, else 16 MiB of rows at a time for torch's
+GEMMs): three quarters of a float32 [N, in] tensor less from the forward to the end of backward
+(384 MiB for R-MAT's 1M x 128 features; the e2e benchmark's peak RSS), and no [N, in] block to
 find in backward.
 
 :func:`call` is what ``ngra``'s interpreter calls for a traced module, function or method: the

@@ -3,10 +3,14 @@
 ``dropout(x, p, seed)`` keeps element ``i`` of the contiguous ``x`` (scaled by ``1 / (1 - p)``)
 when the top 24 bits of ``splitmix64(seed + i * golden)`` fall below ``(1 - p) * 2**24``, the
 same hash as the IR's edge dropout (``ngra.executor.edge_dropout``). The mask is a function of
-``(seed, i)`` alone, so backward recomputes it instead of saving it, no mask tensor is ever
-allocated, and the rows are drawn in parallel: torch's ``F.dropout`` on the CPU draws a float
-mask element by element from one generator (4 s for 1M x 128 floats under torch 2.13 on the
-project's machine, 0.5 s under torch 2.2 with MKL) and saves a byte mask for backward.
+``(seed, i)`` alone, so backward recomputes it instead of saving it, and the rows are drawn in
+parallel: torch's ``F.dropout`` on the CPU draws a float mask element by element from one
+generator (4 s for 1M x 128 floats under torch 2.13 on the project's machine, 0.5 s under torch
+2.2 with MKL) and saves a byte mask for backward. One byte mask is written here too, by the
+forward of a whole tensor's dropout (:func:`mask_of`): a Linear that reads the dropout keeps the
+input and the mask instead of the dropout, and its weight-gradient kernel makes the dropout
+again from the mask, which is cheaper than hashing each element again (on this AVX2 machine
+splitmix64's 64-bit multiplies are emulated).
 """
 
 from __future__ import annotations
@@ -212,7 +216,10 @@ def chunks(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = Non
 # in-cache blocks, one thread, scratch timing: 54 -> 73 GFLOP/s). ``weight_grads`` on x [1M, 128],
 # 4 x 16 tiles on 128 rows against 6 x 16 on 256, taking turns (8 rounds, median, scratch script,
 # 2026-11-28): a [1M, 64] gradient 306 -> 287 ms (0.94), [1M, 16] 0.87, [1M, 192] 0.93; 6 x 16 on
-# 128 rows did as well, on 64 rows worse (1.02). Of the rest, remaking the dropout takes ~90 ms.
+# 128 rows did as well, on 64 rows worse (1.02). Remaking the dropout by hashing took ~70 ms of
+# that; from the forward's keep flags (mask_of; 9 rounds taking turns, median, scratch script,
+# 2026-11-28) a [1M, 64] gradient took 254 -> 199 ms and [1M, 16] 131 -> 76, while the forward
+# that writes the flags took 95 -> 103 ms.
 WG_ROWS = 256
 _KT, _JT = 6, 16
 # the widest gradients (their widths summed) :func:`weight_grads` takes. Against chunks() and

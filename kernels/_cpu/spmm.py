@@ -3,7 +3,8 @@ winning edges (:func:`_spmm_maxmin`), both in source blocks where the host asks;
 u_mul_e/sum with one weight per edge (or per edge and head) in one pass over the transposed CSR
 (:func:`_spmm_mul_grads`); the scaled sum of GCN's normalized propagation, with its self loop,
 destination scale and bias in the same pass (:func:`_spmm_norm`, which is its own gradient on
-the transposed CSR); the max/min gradients w.r.t. the edge operand (:func:`_maxmin_grad_e`)
+the transposed CSR; :func:`_prescale` scales its source rows beforehand where that is faster);
+the max/min gradients w.r.t. the edge operand (:func:`_maxmin_grad_e`)
 and the source operand (:func:`_maxmin_grad_u`). The other gradients are g-SpMMs and g-SDDMMs
 themselves (``kernels/_api.py``)."""
 
