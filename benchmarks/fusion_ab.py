@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/fusion_ab.py --model sage --scale 16 --edges 1000000
     .venv/bin/python benchmarks/fusion_ab.py --model gcn --fusion weight-grad
     .venv/bin/python benchmarks/fusion_ab.py --model gcn --fusion relu-linear
+    .venv/bin/python benchmarks/fusion_ab.py --model gcn --fusion dropout-mask
 
 ``--fusion layers`` (the default) switches two fusions together: GCNConv's one-kernel path
 (``kernels.gspmm_norm``: the self loop, both normalizations and the bias in the g-SpMM's pass,
@@ -17,6 +18,13 @@ Linear taking the ReLU + dropout's backward into its own (``kernels._dense._Relu
 ``g W`` and the mask a block of rows at a time, "on") against the Linear's backward then
 relu_dropout's ("off"), and GIN's sum taking it into its transposed pass: the same values (GCN's
 and GraphSAGE's layer-2 Linears, GIN's layer-2 sum; GAT's ELU is not offered).
+``--fusion dropout-mask`` switches the weight-gradient kernel's dropout between made again from
+the keep flags the input dropout's forward wrote (``kernels._dropout.mask_of``, "on") and made
+again by hashing each element ("off"): the same bits. ``--fusion prescale`` switches
+``kernels.gspmm_norm``'s source scale between a pass of its own over narrow rows
+(``kernels._numba_cpu.PRESCALE_MAX_ROW_BYTES``, "on") and the kernel's own per-edge scale
+("off", every width): the same bits (GCN's layer 2 and its gradient, 16 wide, and GraphSAGE's
+mean gradient where 32 wide or less).
 
 A whole-epoch comparison across processes on a shared machine swings by 20-40%; here the two
 settings take turns epoch by epoch (off/on, then on/off) in one process, on one graph, model
@@ -41,7 +49,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(H
 import ngra  # noqa: E402  (before torch: sets the OpenMP wait policy)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from kernels import _dropout  # noqa: E402
+from kernels import _dropout, _numba_cpu  # noqa: E402
 from ngra.nn import GCNConv, build_model, models  # noqa: E402
 
 
@@ -55,7 +63,8 @@ def main(argv=None):
     ap.add_argument("--scale", type=int, default=20, help="R-MAT vertices = 2**scale")
     ap.add_argument("--edges", type=int, default=16 << 20)
     ap.add_argument("--rounds", type=int, default=8, help="timed (off, on) pairs")
-    ap.add_argument("--fusion", default="layers", choices=["layers", "weight-grad", "relu-linear"],
+    ap.add_argument("--fusion", default="layers",
+                    choices=["layers", "weight-grad", "relu-linear", "dropout-mask", "prescale"],
                     help="what is switched (see the module docstring)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -73,6 +82,8 @@ def main(argv=None):
     fused_gcn, fused_act = GCNConv._fusable, models._act_dropout
     wg_width = _dropout.WG_MAX_WIDTH
     relu_dropout_of = _dropout.relu_dropout_of
+    mask_of = _dropout.mask_of
+    prescale_bytes = _numba_cpu.PRESCALE_MAX_ROW_BYTES
 
     def setting(on: bool):
         if args.fusion == "weight-grad":
@@ -80,6 +91,12 @@ def main(argv=None):
             return
         if args.fusion == "relu-linear":
             _dropout.relu_dropout_of = relu_dropout_of if on else (lambda t: None)
+            return
+        if args.fusion == "dropout-mask":
+            _dropout.mask_of = mask_of if on else (lambda t: None)
+            return
+        if args.fusion == "prescale":
+            _numba_cpu.PRESCALE_MAX_ROW_BYTES = prescale_bytes if on else -1
             return
         GCNConv._fusable = fused_gcn if on else (lambda *a: False)
         models._act_dropout = fused_act if on else _plain_act_dropout

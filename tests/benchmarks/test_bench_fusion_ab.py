@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fusion", ["layers", "weight-grad", "relu-linear"])
+@pytest.mark.parametrize("fusion", ["layers", "weight-grad", "relu-linear", "dropout-mask",
+                                    "prescale"])
 def test_fusion_ab_tiny(fusion):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fusion_ab.py"), "--model", "gcn",
                           "--scale", "10", "--edges", "8000", "--rounds", "2", "--fusion", fusion],
