@@ -28,6 +28,12 @@ if "torch" not in _sys.modules:
 # pages. Without effect where the kernel's THP mode is "never".
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+# numba's disk caches of kernels that compile in code of other modules, dropped when that code
+# changed (numba would keep the old code: see _nbcache.py). Before any kernel module is imported.
+from . import _nbcache  # noqa: E402
+
+_nbcache.drop_stale(__import__("pathlib").Path(__file__).resolve().parent)
+
 from ._api import edge_softmax, gsddmm, gspmm, gspmm_norm  # noqa: E402
 from ._backend import set_default_backend, use_backend  # noqa: E402
 from ._outcache import (empty_output_cache, no_output_cache, output_cache_limit,  # noqa: E402

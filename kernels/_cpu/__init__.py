@@ -16,10 +16,11 @@ keeps the number of compiled signatures (and so the first-call compile time) sma
 them sit outside the per-feature loops, so the hot loops stay simple enough to vectorize.
 Source rows are gathered at random, so the gather loops prefetch the row a few edges ahead.
 
-Numba checks a cached kernel against its own file only: after editing a module whose code or
+Numba checks a cached kernel against its own file only: after an edit of a module whose code or
 constants kernels compile in (codes, intrinsics, tiles, fastmath, and ``kernels/_scalar.py``, whose
-helpers the CUDA backend's cached kernels compile in too), remove the cache (``make clean`` deletes
-``*.nbi`` / ``*.nbc``), or the kernels of the other modules keep the old code.
+helpers the CUDA backend's cached kernels compile in too), the kernels of the other modules would
+keep the old code. ``import kernels`` deletes the package's caches when those files changed
+(``kernels/_nbcache.py``); ``make clean`` deletes them too (``*.nbi`` / ``*.nbc``).
 """
 
 import os

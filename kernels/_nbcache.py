@@ -1,0 +1,50 @@
+"""Drop numba's on-disk kernel caches when a module compiled into other modules' kernels changed.
+
+Numba checks a cached kernel against its own source file only (its modification time and size).
+The CPU kernels in ``kernels/_cpu/spmm.py``, ``sddmm.py``, ``softmax.py``, ``kernels/_dropout.py``
+and ``_loss.py``, and the CUDA ones in ``_numba_cuda.py``, also compile in code and constants of
+``SHARED``: after a ``git pull`` or an edit that changed only one of those, their cached kernels
+would still be the old code. :func:`drop_stale` compares a digest of the ``SHARED`` files with the
+one recorded beside the caches at the last check, and where it differs (or none was recorded)
+deletes the package's ``*.nbi`` / ``*.nbc`` files, so that the next call compiles again. It runs
+once per process, at ``import kernels``, in about a millisecond. Caches outside the package's
+``__pycache__`` folders (``NUMBA_CACHE_DIR``, or numba's user-wide folder for a read-only
+install) are not touched; where the folders cannot be written, nothing is done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+SHARED = ("_scalar.py", "_cpu/codes.py", "_cpu/intrinsics.py", "_cpu/tiles.py", "_cpu/fastmath.py")
+STAMP = "ngra-shared-kernel-code.sha256"
+
+
+def digest(package: Path) -> str:
+    h = hashlib.sha256()
+    for name in SHARED:
+        h.update(name.encode())
+        h.update((package / name).read_bytes())
+    return h.hexdigest()
+
+
+def drop_stale(package: Path) -> bool:
+    """Delete the numba caches under ``package`` (``__pycache__`` and ``_cpu/__pycache__``) if the
+    ``SHARED`` files changed since the last call; True if it deleted them."""
+    try:
+        now = digest(package)
+        stamp = package / "__pycache__" / STAMP
+        if stamp.is_file() and stamp.read_text().strip() == now:
+            return False
+        for folder in (package / "__pycache__", package / "_cpu" / "__pycache__"):
+            if folder.is_dir():
+                for f in list(folder.glob("*.nbi")) + list(folder.glob("*.nbc")):
+                    f.unlink(missing_ok=True)
+        stamp.parent.mkdir(exist_ok=True)
+        tmp = stamp.with_name(f"{STAMP}.{id(now)}.tmp")
+        tmp.write_text(now + "\n")
+        tmp.replace(stamp)
+        return True
+    except OSError:  # a read-only install: numba caches elsewhere, if at all
+        return False
