@@ -32,7 +32,7 @@ _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 # changed (numba would keep the old code: see _nbcache.py). Before any kernel module is imported.
 from . import _nbcache  # noqa: E402
 
-_nbcache.drop_stale(__import__("pathlib").Path(__file__).resolve().parent)
+_nbcache.drop_stale()
 
 from ._api import edge_softmax, gsddmm, gspmm, gspmm_norm  # noqa: E402
 from ._backend import set_default_backend, use_backend  # noqa: E402

@@ -29,9 +29,11 @@ def digest(package: Path) -> str:
     return h.hexdigest()
 
 
-def drop_stale(package: Path) -> bool:
-    """Delete the numba caches under ``package`` (``__pycache__`` and ``_cpu/__pycache__``) if the
-    ``SHARED`` files changed since the last call; True if it deleted them."""
+def drop_stale(package: Path | None = None) -> bool:
+    """Delete the numba caches under ``package`` (default: this package; ``__pycache__`` and
+    ``_cpu/__pycache__``) if the ``SHARED`` files changed since the last call; True if it
+    deleted them."""
+    package = Path(__file__).resolve().parent if package is None else package
     try:
         now = digest(package)
         stamp = package / "__pycache__" / STAMP

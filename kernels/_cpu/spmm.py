@@ -108,6 +108,14 @@ def _spmm_sum(parts, indptr, bptr, nblk, indices, eids, U, W, out, op, mode, inn
                            lo, lu, lw, uline, wops)
 
 
+@njit(inline="always")
+def _add_row(acc, row):
+    """``acc += row`` (the float64 column sums of :func:`_spmm_norm`'s epilogue and of
+    :func:`_prescale`, which must add each row alike to give the same bits)."""
+    for f in range(row.shape[0]):
+        acc[f] += row[f]
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf, SUM, M, mscale):
     """``out[v] = C[v] * (sum_{k: u -> v} S[u] U[u] + A[v] (S[v] U[v])) + B``: a g-SpMM whose
@@ -158,9 +166,7 @@ def _spmm_norm(parts, bptr, nblk, indices, U, S, A, C, B, out, loff, roff, pf, S
                     orow = out[v]
                     urow = U[v]
                     if has_sum:
-                        srow = SUM[p]
-                        for f in range(lo):
-                            srow[f] += urow[f]
+                        _add_row(SUM[p], urow)
                     if has_a:
                         a = A[v, 0]
                         if has_s:
@@ -208,9 +214,7 @@ def _prescale(parts, U, S, out, SUM):
             urow = U[v]
             orow = out[v]
             if has_sum:
-                srow = SUM[p]
-                for f in range(lo):
-                    srow[f] += urow[f]
+                _add_row(SUM[p], urow)
             for f in range(lo):
                 orow[f] = s * urow[f]
 
