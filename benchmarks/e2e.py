@@ -65,7 +65,9 @@ turns (in reverse order every other round); the table then gives each framework'
 
 The table gives, per graph and model, each framework's epoch and phases, peak RSS and the ratios
 ngra/DGL (time, RSS), ngra/PyG (time) and ngra/roofline; ``e2e.csv`` under ``--out`` holds every
-figure. Timings on a shared 2-core machine are noisy: compare ratios of one run.
+figure, and ``e2e.png`` shows the epochs by phase against the roofline and the peak RSS of the
+table's rounds (:func:`plot`; ``--no-plot`` for the CSV only). Timings on a shared 2-core
+machine are noisy: compare ratios of one run.
 """
 
 from __future__ import annotations
@@ -419,6 +421,7 @@ def main(argv=None):
     ap.add_argument("--torch-loss", action="store_true",
                     help="ngra's epochs with torch's F.cross_entropy instead of ngra.nn.cross_entropy")
     ap.add_argument("--out", default=str(ROOT / "results" / "e2e"))
+    ap.add_argument("--no-plot", action="store_true", help="write the CSV only, not e2e.png")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker)
@@ -531,6 +534,13 @@ def main(argv=None):
         w.writeheader()
         w.writerows(rows)
     print(f"\nwrote {out / 'e2e.csv'}")
+    if args.no_plot:
+        pass
+    elif _have_matplotlib():
+        plot(rows, out / "e2e.png")
+        print(f"wrote {out / 'e2e.png'}")
+    else:
+        print('no plot: matplotlib is not installed (pip install "ngra[plot]")')
     for fw, why in skipped.items():
         print(f"{fw} skipped: {why}")
 
@@ -570,6 +580,78 @@ def _table(rows):
     print("|" + "---|" * len(head))
     for r in _SUMMARY:
         print("| " + " | ".join(r) + " |")
+
+
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+PHASES = (("fwd_dense", "forward dense"), ("fwd_graph", "forward graph"),
+          ("backward", "backward"), ("optimizer", "optimizer"))
+_HATCH = {"ngra": "", "dgl": "//", "pyg": ".."}
+
+
+def plot(rows, path):
+    """``e2e.png``: a row per graph; left, each model's epoch per framework (the median round, as
+    the table) as stacked phases, with the roofline (solid) and the 1.5x floor (dashed) across the
+    model's bars; right, each framework's peak RSS per model. Frameworks by hatching; a failed
+    worker leaves its bar out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    graphs = list(dict.fromkeys(r["graph"] for r in rows))
+    fig, axes = plt.subplots(len(graphs), 2, figsize=(13, 4.2 * len(graphs)), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 2]})
+    for (ax_t, ax_m), graph in zip(axes, graphs):
+        sub = [r for r in rows if r["graph"] == graph]
+        models = list(dict.fromkeys(r["model"] for r in sub))
+        fws = list(dict.fromkeys(r["framework"] for r in sub))
+        width = 0.8 / len(fws)
+        for i, name in enumerate(models):
+            of_model = [r for r in sub if r["model"] == name]
+            roof = of_model[0].get("best_roofline_s") or of_model[0]["roofline_s"]
+            ax_t.hlines([roof, 1.5 * roof], i - 0.45, i + 0.45, colors="k",
+                        linestyles=["solid", "dashed"], linewidth=1)
+            for j, fw in enumerate(fws):
+                rec = _median_run([r for r in of_model if r["framework"] == fw] or [{"error": ""}])
+                if "error" in rec:
+                    continue
+                x = i + (j - (len(fws) - 1) / 2) * width
+                bottom = 0.0
+                for k, (key, _) in enumerate(PHASES):
+                    ax_t.bar(x, rec[key], width, bottom=bottom, color=f"C{k}",
+                             hatch=_HATCH.get(fw, "xx"), edgecolor="white", linewidth=0)
+                    bottom += rec[key]
+                ax_t.annotate(f"{rec['epoch']:.3g}", (x, bottom), ha="center", va="bottom",
+                              fontsize=7)
+                ax_m.bar(x, rec["peak_rss"] / 2**30, width, color=f"C{j + len(PHASES)}",
+                         hatch=_HATCH.get(fw, "xx"), edgecolor="white", linewidth=0)
+        n, e = sub[0]["N"], sub[0]["E"]
+        for ax in (ax_t, ax_m):
+            ax.set_xticks(range(len(models)))
+            ax.set_xticklabels([MODELS[m] for m in models])
+        ax_t.set_ylabel("epoch, s")
+        ax_t.set_title(f"{graph} ({n:,} vertices, {e:,} edges): epoch by phase", fontsize=10)
+        ax_m.set_ylabel("peak RSS, GiB")
+        ax_m.set_title(f"{graph}: peak RSS", fontsize=10)
+        handles = [Patch(color=f"C{k}", label=label) for k, (_, label) in enumerate(PHASES)]
+        handles += [Patch(facecolor="0.45", hatch=_HATCH.get(fw, "xx"), edgecolor="white",
+                          label=fw) for fw in fws]
+        handles += [plt.Line2D([], [], color="k", label="roofline"),
+                    plt.Line2D([], [], color="k", linestyle="dashed", label="1.5x roofline")]
+        ax_t.legend(handles=handles, fontsize=7, ncol=2)
+        ax_m.legend(handles=[Patch(color=f"C{j + len(PHASES)}", hatch=_HATCH.get(fw, "xx"),
+                                   label=fw) for j, fw in enumerate(fws)], fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,9 @@ def test_e2e_tiny(tmp_path):
         if r["framework"] == "ngra":
             assert best <= float(r["worker_roofline_s"]) * (1 + 1e-9)
     assert "| rmat | GAT |" in res.stdout and "ngra/DGL time" in res.stdout
+    # the plot of the same rounds
+    assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {tmp_path / 'e2e.png'}" in res.stdout
 
 
 @pytest.mark.slow
@@ -81,3 +84,23 @@ def test_median_run():
     assert e2e._median_run(runs) == {"epoch": 2.0, "peak_rss": 9}
     assert e2e._median_run(runs[:1] + runs[2:3]) == {"epoch": 1.0, "peak_rss": 9}
     assert e2e._median_run([{"error": "x"}]) == {"error": "x"}
+
+
+def test_plot_leaves_out_failed_workers(tmp_path):
+    """plot() draws the median round of each (model, framework) and skips a worker that failed
+    (no epoch figures) instead of raising."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import e2e
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    base = dict(graph="rmat", N=2000, E=16000, roofline_s=0.002, best_roofline_s=0.0015)
+    phases = dict(fwd_dense=0.004, fwd_graph=0.002, backward=0.003, optimizer=0.001)
+    rows = [dict(base, model="gcn", framework="ngra", round=r, epoch=0.01 + r, peak_rss=2**29,
+                 **phases) for r in range(3)]
+    rows.append(dict(base, model="gcn", framework="pyg", round=0, error="timeout"))
+    rows.append(dict(base, model="gat", framework="pyg", round=0, epoch=0.01, peak_rss=2**29,
+                     **phases))
+    e2e.plot(rows, tmp_path / "e2e.png")
+    assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
