@@ -371,13 +371,20 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, op, beg, end, out, v, pf, pend,
                     g.prefetch(builder.gep(mbase, [builder.add(
                         builder.mul(g.load_id(mia, kp), ms), mcols[0])]))
 
-            def edge_loop(wop):  # see _ir_edge_loops
+            def edge_loop(wop, one_weight=False):  # see _ir_edge_loops
                 with g.edges(beg_, end_, pf_, pend_, cbytes, nbytes, wop is not None,
                              prefetch) as edge:
                     if masked:
                         mrow = builder.gep(mbase, [builder.mul(g.load_id(mia, edge.k), ms)])
+                    if one_weight:  # the tile's one weight, loaded and splat once per edge
+                        w1, splats = edge.weight(wcols[0]), {}
                     for j, ((o, lanes), a) in enumerate(zip(pieces, accs)):
-                        val = edge.message(o, lanes, wcols[j], wop)
+                        if one_weight:
+                            if lanes not in splats:
+                                splats[lanes] = _ir_splat(builder, w1, lanes)
+                            val = edge.combine(wop, edge.raw(o, lanes), splats[lanes])
+                        else:
+                            val = edge.message(o, lanes, wcols[j], wop)
                         if masked:
                             word = builder.load(builder.bitcast(builder.gep(mrow, [mcols[j]]),
                                                                 i32.as_pointer()))
@@ -387,8 +394,26 @@ def _tile_sum(typingctx, X, ids, W, wids, inner, op, beg, end, out, v, pf, pend,
                                 val, ir.Constant(val.type, None))
                         builder.store(builder.fadd(builder.load(a), val), a)
 
+            def edge_loops(wop):
+                # Where the whole tile lies in one head (one weight per edge, GCN's source scale,
+                # a one-head attention), a loop of its own loads and splats that weight once per
+                # edge: through the per-piece weight columns (equal, but computed by division at
+                # run time) LLVM loads and splats it per piece. R-MAT 1M / 16M, same bits: GCN's
+                # forward g-SpMM at F = 64 5-7% faster, its transposed pass alike, GAT's one-head
+                # u_mul_e 7-9% (benchmarks/README.md). Not in the all-ops specialization (u_add_e
+                # ... u_div_e), whose first compile took 19 -> 29 s with it.
+                if wop is None or all_ops:
+                    edge_loop(wop)
+                    return
+                one = builder.icmp_signed("==", wcols[0], wcols[-1])
+                with builder.if_else(one) as (then, otherwise):
+                    with then:
+                        edge_loop(wop, True)
+                    with otherwise:
+                        edge_loop(wop)
+
             # a sum's loop body is a few instructions per piece: one loop per op costs little
-            _ir_edge_loops(builder, g.weighted, op_, edge_loop, all_ops, loop_per_op=True)
+            _ir_edge_loops(builder, g.weighted, op_, edge_loops, all_ops, loop_per_op=True)
             for (o, lanes), a in zip(pieces, accs):
                 builder.store(builder.load(a), g.vptr(orow, intp(o), lanes), align=isz)
 
