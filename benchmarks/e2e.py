@@ -599,7 +599,9 @@ def plot(rows, path):
     """``e2e.png``: a row per graph; left, each model's epoch per framework (the median round, as
     the table) as stacked phases, with the roofline (solid) and the 1.5x floor (dashed) across the
     model's bars; right, each framework's peak RSS per model. Frameworks by hatching; a failed
-    worker leaves its bar out."""
+    worker leaves its bar out. The time axis stops at 2.5x the larger of ngra's slowest epoch and
+    1.5x the largest roofline, so that a framework 10x slower does not flatten the rest: a bar
+    past it is cut there, its epoch written at the top edge."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -614,6 +616,11 @@ def plot(rows, path):
         models = list(dict.fromkeys(r["model"] for r in sub))
         fws = list(dict.fromkeys(r["framework"] for r in sub))
         width = 0.8 / len(fws)
+        ngra_top = max((r["epoch"] for r in sub if r["framework"] == "ngra" and "error" not in r),
+                       default=0.0)
+        roof_top = max(r.get("best_roofline_s") or r["roofline_s"] for r in sub)
+        cap = 2.5 * max(ngra_top, 1.5 * roof_top)
+        tallest = 0.0
         for i, name in enumerate(models):
             of_model = [r for r in sub if r["model"] == name]
             roof = of_model[0].get("best_roofline_s") or of_model[0]["roofline_s"]
@@ -629,15 +636,23 @@ def plot(rows, path):
                     ax_t.bar(x, rec[key], width, bottom=bottom, color=f"C{k}",
                              hatch=_HATCH.get(fw, "xx"), edgecolor="white", linewidth=0)
                     bottom += rec[key]
-                ax_t.annotate(f"{rec['epoch']:.3g}", (x, bottom), ha="center", va="bottom",
-                              fontsize=7)
+                tallest = max(tallest, bottom)
+                if bottom > cap:
+                    ax_t.annotate(f"{rec['epoch']:.3g}", (x, cap), xytext=(0, -3),
+                                  textcoords="offset points", ha="center", va="top",
+                                  fontsize=7, color="white", fontweight="bold")
+                else:
+                    ax_t.annotate(f"{rec['epoch']:.3g}", (x, bottom), ha="center",
+                                  va="bottom", fontsize=7)
                 ax_m.bar(x, rec["peak_rss"] / 2**30, width, color=f"C{j + len(PHASES)}",
                          hatch=_HATCH.get(fw, "xx"), edgecolor="white", linewidth=0)
         n, e = sub[0]["N"], sub[0]["E"]
         for ax in (ax_t, ax_m):
             ax.set_xticks(range(len(models)))
             ax.set_xticklabels([MODELS[m] for m in models])
-        ax_t.set_ylabel("epoch, s")
+        if tallest > cap:
+            ax_t.set_ylim(0, cap)
+        ax_t.set_ylabel("epoch, s" + (" (taller bars cut)" if tallest > cap else ""))
         ax_t.set_title(f"{graph} ({n:,} vertices, {e:,} edges): epoch by phase", fontsize=10)
         ax_m.set_ylabel("peak RSS, GiB")
         ax_m.set_title(f"{graph}: peak RSS", fontsize=10)
