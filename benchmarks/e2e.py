@@ -75,6 +75,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import resource
 import subprocess
@@ -534,12 +535,10 @@ def main(argv=None):
         w.writeheader()
         w.writerows(rows)
     print(f"\nwrote {out / 'e2e.csv'}")
-    if args.no_plot:
-        pass
-    elif _have_matplotlib():
+    if not args.no_plot and _have_matplotlib():
         plot(rows, out / "e2e.png")
         print(f"wrote {out / 'e2e.png'}")
-    else:
+    elif not args.no_plot:
         print('no plot: matplotlib is not installed (pip install "ngra[plot]")')
     for fw, why in skipped.items():
         print(f"{fw} skipped: {why}")
@@ -619,7 +618,8 @@ def plot(rows, path):
         ngra_top = max((r["epoch"] for r in sub if r["framework"] == "ngra" and "error" not in r),
                        default=0.0)
         roof_top = max(r.get("best_roofline_s") or r["roofline_s"] for r in sub)
-        cap = 2.5 * max(ngra_top, 1.5 * roof_top)
+        # no cut in a run without ngra's epochs
+        cap = 2.5 * max(ngra_top, 1.5 * roof_top) if ngra_top else math.inf
         tallest = 0.0
         for i, name in enumerate(models):
             of_model = [r for r in sub if r["model"] == name]
