@@ -594,6 +594,11 @@ PHASES = (("fwd_dense", "forward dense"), ("fwd_graph", "forward graph"),
 _HATCH = {"ngra": "", "dgl": "//", "pyg": ".."}
 
 
+def _table_roofline(row):
+    """The roofline the table holds a row to: at the run's fastest probes, else its own."""
+    return row.get("best_roofline_s") or row["roofline_s"]
+
+
 def plot(rows, path):
     """``e2e.png``: a row per graph; left, each model's epoch per framework (the median round, as
     the table) as stacked phases, with the roofline (solid) and the 1.5x floor (dashed) across the
@@ -617,13 +622,13 @@ def plot(rows, path):
         width = 0.8 / len(fws)
         ngra_top = max((r["epoch"] for r in sub if r["framework"] == "ngra" and "error" not in r),
                        default=0.0)
-        roof_top = max(r.get("best_roofline_s") or r["roofline_s"] for r in sub)
+        roof_top = max(_table_roofline(r) for r in sub)
         # no cut in a run without ngra's epochs
         cap = 2.5 * max(ngra_top, 1.5 * roof_top) if ngra_top else math.inf
         tallest = 0.0
         for i, name in enumerate(models):
             of_model = [r for r in sub if r["model"] == name]
-            roof = of_model[0].get("best_roofline_s") or of_model[0]["roofline_s"]
+            roof = _table_roofline(of_model[0])
             ax_t.hlines([roof, 1.5 * roof], i - 0.45, i + 0.45, colors="k",
                         linestyles=["solid", "dashed"], linewidth=1)
             for j, fw in enumerate(fws):
