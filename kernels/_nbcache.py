@@ -15,6 +15,7 @@ install) are not touched; where the folders cannot be written, nothing is done.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 SHARED = ("_scalar.py", "_cpu/codes.py", "_cpu/intrinsics.py", "_cpu/tiles.py", "_cpu/fastmath.py")
@@ -44,7 +45,7 @@ def drop_stale(package: Path | None = None) -> bool:
                 for f in list(folder.glob("*.nbi")) + list(folder.glob("*.nbc")):
                     f.unlink(missing_ok=True)
         stamp.parent.mkdir(exist_ok=True)
-        tmp = stamp.with_name(f"{STAMP}.{id(now)}.tmp")
+        tmp = stamp.with_name(f"{STAMP}.{os.getpid()}.tmp")  # per process: make test runs two
         tmp.write_text(now + "\n")
         tmp.replace(stamp)
         return True
