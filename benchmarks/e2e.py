@@ -42,6 +42,11 @@ ngra`` sets) and glibc's default allocator settings.
   CSV has it as ``ru_maxrss``.) ``loaded`` is the resident set after loading and building the
   model (before the first epoch); ``epoch peak`` the high-water mark of the timed epochs
   (``VmHWM`` reset through ``/proc/self/clear_refs`` after the warm-up) minus ``loaded``.
+  ``huge pages`` is how much of the resident set is in transparent huge pages after the timed
+  epochs (``AnonHugePages``; the CSV also has the kernel's THP modes, ``thp``): whether the
+  kernel grants the 2 MiB pages torch and the output cache ask for depends on the host's
+  memory at fault time, and changes the peak (a GraphSAGE worker once peaked 0.6 GiB above
+  six others at the same commit; ``benchmarks/README.md``).
 - **Roofline**: the epoch's dense GEMM FLOPs (forward, and backward's weight and input gradients;
   the first layer needs no input gradient) at the GEMM rate measured here (best ``torch.mm`` of
   ``[N, 128] x [128, 64]``), plus the fused graph kernels' traffic at the measured copy bandwidth
@@ -108,6 +113,30 @@ def _status(field):
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _anon_huge_pages():
+    """Bytes of the worker's anonymous memory in transparent huge pages now (``AnonHugePages``
+    of ``/proc/self/smaps_rollup``), or None where the kernel does not say."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _thp_mode():
+    """The kernel's transparent huge page modes, ``enabled/defrag`` (e.g. ``madvise/madvise``),
+    or None."""
+    try:
+        modes = [Path(f"/sys/kernel/mm/transparent_hugepage/{k}").read_text().split("[")[1]
+                 .split("]")[0] for k in ("enabled", "defrag")]
+    except (OSError, IndexError):
+        return None
+    return "/".join(modes)
 
 
 def _set_widths(module):
@@ -260,7 +289,7 @@ def worker(spec_path):
     rec = dict(best, epochs=[e["epoch"] for e in epochs], loss=losses[0], loaded=loaded,
                epoch_peak=hwm - loaded, peak_rss=max(hwm_warmup, hwm),
                ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-               torch=torch.__version__)
+               huge_pages=_anon_huge_pages(), thp=_thp_mode(), torch=torch.__version__)
     if rates is not None:
         rec.update(worker_gemm_rate=rates["gemm_rate"], worker_copy_rate=rates["copy_rate"])
     Path(spec["out"]).write_text(json.dumps(rec))
@@ -486,7 +515,8 @@ def main(argv=None):
                                              f"fwd graph {_fmt_s(r['fwd_graph'])}, bwd {_fmt_s(r['backward'])}, "
                                              f"opt {_fmt_s(r['optimizer'])}; {r['page_faults']} page faults, "
                                              f"system {_fmt_s(r['sys_s'])} s); peak RSS {_gib(r['peak_rss'])} GiB "
-                                             f"(loaded {_gib(r['loaded'])}, epoch peak +{_gib(r['epoch_peak'])}); "
+                                             f"(loaded {_gib(r['loaded'])}, epoch peak +{_gib(r['epoch_peak'])}; "
+                                             f"in huge pages at the end {_gib(r.get('huge_pages'))}); "
                                              f"loss {r['loss']:.4f}")
                     if "worker_roofline_s" in r and "error" not in r:
                         msg += (f"; roofline {_fmt_s(r['worker_roofline_s'])} s at the worker's "
@@ -527,7 +557,8 @@ def main(argv=None):
     _table(rows)
     with open(out / "e2e.csv", "w", newline="") as f:
         keys = ["graph", "N", "E", "model", "framework", "round", "epoch", "fwd_dense", "fwd_graph", "backward",
-                "optimizer", "page_faults", "sys_s", "peak_rss", "loaded", "epoch_peak", "ru_maxrss", "loss", "best_roofline_s",
+                "optimizer", "page_faults", "sys_s", "peak_rss", "loaded", "epoch_peak", "ru_maxrss",
+                "huge_pages", "thp", "loss", "best_roofline_s",
                 "roofline_s", "gemm_flops",
                 "graph_bytes", "gemm_rate", "copy_rate", "worker_roofline_s", "worker_gemm_rate",
                 "worker_copy_rate", "torch", "error"]

@@ -40,6 +40,8 @@ def test_e2e_tiny(tmp_path):
         assert parts == pytest.approx(float(r["epoch"]), rel=1e-6)
         assert 0 < float(r["loss"]) < 100
         assert int(r["page_faults"]) >= 0 and float(r["sys_s"]) >= 0
+        # huge pages at the end: none are more than the worker ever held
+        assert r["huge_pages"] == "" or 0 <= int(r["huge_pages"]) <= int(r["peak_rss"])
         # ngra's workers measure the machine's rates again, first thing: their roofline
         assert bool(r["worker_roofline_s"]) == (r["framework"] == "ngra")
         if r["framework"] == "ngra":
