@@ -43,10 +43,10 @@ ngra`` sets) and glibc's default allocator settings.
   model (before the first epoch); ``epoch peak`` the high-water mark of the timed epochs
   (``VmHWM`` reset through ``/proc/self/clear_refs`` after the warm-up) minus ``loaded``.
   ``huge pages`` is how much of the resident set is in transparent huge pages after the timed
-  epochs (``AnonHugePages``; the CSV also has the kernel's THP modes, ``thp``): whether the
-  kernel grants the 2 MiB pages torch and the output cache ask for depends on the host's
-  memory at fault time, and changes the peak (a GraphSAGE worker once peaked 0.6 GiB above
-  six others at the same commit; ``benchmarks/README.md``).
+  epochs (``AnonHugePages``; the CSV also has the kernel's THP modes, ``thp``), the 2 MiB pages
+  torch and the output cache ask for: one GraphSAGE worker in fifteen at the same commit
+  peaked 0.6 GiB above the others, with 0.6 GiB more in huge pages at the end (not explained;
+  ``benchmarks/README.md``).
 - **Roofline**: the epoch's dense GEMM FLOPs (forward, and backward's weight and input gradients;
   the first layer needs no input gradient) at the GEMM rate measured here (best ``torch.mm`` of
   ``[N, 128] x [128, 64]``), plus the fused graph kernels' traffic at the measured copy bandwidth
