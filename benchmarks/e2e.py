@@ -44,7 +44,7 @@ ngra`` sets) and glibc's default allocator settings.
   (``VmHWM`` reset through ``/proc/self/clear_refs`` after the warm-up) minus ``loaded``.
   ``huge pages`` is how much of the resident set is in transparent huge pages after the timed
   epochs (``AnonHugePages``; the CSV also has the kernel's THP modes, ``thp``), the 2 MiB pages
-  torch and the output cache ask for: one GraphSAGE worker in fifteen at the same commit
+  torch and the output cache ask for: one GraphSAGE worker in nineteen at the same commit
   peaked 0.6 GiB above the others, with 0.6 GiB more in huge pages at the end (not explained;
   ``benchmarks/README.md``).
 - **Roofline**: the epoch's dense GEMM FLOPs (forward, and backward's weight and input gradients;
