@@ -107,25 +107,27 @@ GRAPH_OPS = {"gspmm", "gsddmm", "edge_softmax", "gather", "scatter", "gspmm_norm
 # =================================================================================================
 # worker (one graph, one framework, one model, in a fresh process)
 # =================================================================================================
-def _status(field):
-    with open("/proc/self/status") as f:
+def _proc_bytes(path, field):
+    """``field`` of ``path`` (a /proc file of ``Name: value kB`` lines) in bytes, or None where
+    the file has no such line."""
+    with open(path) as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    return 0
+    return None
+
+
+def _status(field):
+    return _proc_bytes("/proc/self/status", field) or 0
 
 
 def _anon_huge_pages():
     """Bytes of the worker's anonymous memory in transparent huge pages now (``AnonHugePages``
     of ``/proc/self/smaps_rollup``), or None where the kernel does not say."""
     try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
+        return _proc_bytes("/proc/self/smaps_rollup", "AnonHugePages")
     except OSError:
-        pass
-    return None
+        return None
 
 
 def _thp_mode():
@@ -566,11 +568,12 @@ def main(argv=None):
         w.writeheader()
         w.writerows(rows)
     print(f"\nwrote {out / 'e2e.csv'}")
-    if not args.no_plot and _have_matplotlib():
-        plot(rows, out / "e2e.png")
-        print(f"wrote {out / 'e2e.png'}")
-    elif not args.no_plot:
-        print('no plot: matplotlib is not installed (pip install "ngra[plot]")')
+    if not args.no_plot:
+        if _have_matplotlib():
+            plot(rows, out / "e2e.png")
+            print(f"wrote {out / 'e2e.png'}")
+        else:
+            print('no plot: matplotlib is not installed (pip install "ngra[plot]")')
     for fw, why in skipped.items():
         print(f"{fw} skipped: {why}")
 
