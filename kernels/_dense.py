@@ -5,9 +5,13 @@ Torch allocates every result afresh, and each large CPU tensor is new pages that
 their first write: a GIN epoch on R-MAT 1M / 16M made fourteen [N, 64] tensors (3.5 GiB) in its
 MLPs and their backward, 2036 huge-page faults and 1.1-3.3 s of system time a 2.3-3.7 s epoch on
 the project's machine. Here each op is an autograd Function that calls the same aten kernels
-with ``out=`` a cached block (forward and backward), so the values are torch's to the bit
-(except a Linear's weight gradient, the same sums in another order: see ``_Linear``), and a
-training loop's [N, F] results reuse warm pages (``benchmarks/README.md``, e2e).
+with ``out=`` a cached block (forward and backward), so the values are torch's to the bit, and a
+training loop's [N, F] results reuse warm pages (``benchmarks/README.md``, e2e). Two exceptions:
+a Linear's weight gradient, the same sums in another order (see ``_weight_grad``); and float32
+Linears on many rows (``kernels._gemm.applies``), whose products and input gradients come
+from ``kernels._gemm``'s register tiles (faster than MKL's GEMM here): each sum in k order, one
+rounding per term, which is MKL's order here too for up to 128 terms, but equal to torch's only
+up to rounding in general.
 
 A Linear whose input is the output of ``kernels._dropout.dropout`` (a model's dropout of its input
 features) keeps the dropout's input, which the caller keeps anyway, and the dropout's byte mask
@@ -37,6 +41,7 @@ from torch.nn.modules import module as mm
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _dropout
+from . import _gemm as _rows_gemm
 from ._outcache import CACHE as _CACHE
 from ._outcache import MIN_BYTES
 
@@ -108,7 +113,7 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = _out(torch.mm, (g.shape[0], weight.shape[1]), g.dtype, g, weight)
+            gx = _mm(g, weight)
         if ctx.needs_input_grad[1]:
             if ctx.remat is None:
                 gw = _weight_grad(x, g)
@@ -121,13 +126,21 @@ class _Linear(torch.autograd.Function):
         return gx, gw, gb
 
 
-def _gemm(x, weight, bias):
-    """``F.linear(x, weight, bias)`` for a 2-D ``x`` with F.linear's kernels (mm, or addmm with a
-    bias), into a cached block."""
-    shape = (x.shape[0], weight.shape[0])
+def _mm(a, w, bias=None):
+    """``a @ w`` (``+ bias``) into a cached block: in ``kernels._gemm``'s register tiles where
+    they apply (float32, many rows: faster than MKL's here), else with torch's mm / addmm (under
+    grad mode, a backward with ``create_graph=True``, differentiable)."""
+    shape = (a.shape[0], w.shape[1])
+    if _rows_gemm.applies(a, w):
+        return _rows_gemm.mm(a, w, _CACHE.empty(shape, a.dtype), bias)
     if bias is None:
-        return _out(torch.mm, shape, x.dtype, x, weight.t())
-    return _out(torch.addmm, shape, x.dtype, bias, x, weight.t())
+        return _out(torch.mm, shape, a.dtype, a, w)
+    return _out(torch.addmm, shape, a.dtype, bias, a, w)
+
+
+def _gemm(x, weight, bias):
+    """``F.linear(x, weight, bias)`` for a 2-D ``x`` (see :func:`_mm`)."""
+    return _mm(x, weight.t(), bias)
 
 
 def _linear_form(x, weight, bias) -> bool:
@@ -242,7 +255,8 @@ class _ReluDropoutLinear(torch.autograd.Function):
     differentiable with respect to ``z`` rather than ``a``: the backward makes ``a``'s gradient
     (the gradients side by side times the weights stacked, as :class:`_LinearGroup`) a block of
     rows at a time, into a buffer in cache, and takes the ReLU's and dropout's backward there
-    (``* scale`` where ``a > 0``, 0 elsewhere), so that gradient [N, in] never goes to memory
+    (``* scale`` where ``a > 0``, 0 elsewhere; where ``kernels._gemm`` applies, in its register
+    tiles' epilogue, with no buffer), so that gradient [N, in] never goes to memory
     and relu_dropout's backward does not read it back: one pass over [N, in] less each way.
     relu_dropout's own backward then runs only for ``a``'s other consumers. Forward, weight and
     bias gradients are :class:`_LinearGroup`'s (``a`` is kept, as relu_dropout keeps it
@@ -270,6 +284,9 @@ class _ReluDropoutLinear(torch.autograd.Function):
             w = ws[live[0]] if len(live) == 1 else torch.cat([ws[i] for i in live])
             if torch.is_grad_enabled():  # create_graph: torch's differentiable ops
                 grads[0] = gc.mm(w).mul(ctx.scale) * (a > 0).to(gc.dtype)
+            elif _rows_gemm.applies(gc, w):  # the mask and scale in the tiles' epilogue
+                grads[0] = _rows_gemm.mm_relu_grad(gc, w, a, ctx.scale,
+                                                   _CACHE.empty(tuple(a.shape), gc.dtype))
             else:
                 n = a.shape[0]
                 step = _mlp_rows(a.shape[1], a.element_size())
@@ -322,7 +339,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class _LinearGroup(torch.autograd.Function):
     """``F.linear(x, w_i, b_i)`` for several Linears on one ``x`` (``wb`` = ``w_0, b_0, w_1, b_1,
     ...``, a bias may be None). The forward is :class:`_Linear`'s, one GEMM per Linear into its
-    own block (torch's values to the bit). The backward takes all the gradients at once (autograd
+    own block (the separate Linears' values to the bit). The backward takes all the gradients at once (autograd
     calls it when every output's gradient is in): ``x``'s gradient as one GEMM of the gradients
     side by side ([N, sum out]) and the weights stacked, instead of one [N, in] product per
     Linear and their sums; the weight gradients in one pass over ``x`` (over the dropout made
@@ -352,7 +369,7 @@ class _LinearGroup(torch.autograd.Function):
         if need[0] and live:
             gc = _side_by_side(gs, live)
             w = ws[live[0]] if len(live) == 1 else torch.cat([ws[i] for i in live])
-            grads[0] = _out(torch.mm, (gc.shape[0], w.shape[1]), gc.dtype, gc, w)
+            grads[0] = _mm(gc, w)
         wanted = [i for i in live if need[1 + 2 * i]]
         if wanted:
             if ctx.remat is None:  # one weight-gradient GEMM over x, cut into the Linears' rows

@@ -1,8 +1,8 @@
 """Drop numba's on-disk kernel caches when a module compiled into other modules' kernels changed.
 
 Numba checks a cached kernel against its own source file only (its modification time and size).
-The CPU kernels in ``kernels/_cpu/spmm.py``, ``sddmm.py``, ``softmax.py``, ``kernels/_dropout.py``
-and ``_loss.py``, and the CUDA ones in ``_numba_cuda.py``, also compile in code and constants of
+The CPU kernels in ``kernels/_cpu/spmm.py``, ``sddmm.py``, ``softmax.py``, ``kernels/_dropout.py``,
+``_loss.py`` and ``_gemm.py``, and the CUDA ones in ``_numba_cuda.py``, also compile in code and constants of
 ``SHARED``: after a ``git pull`` or an edit that changed only one of those, their cached kernels
 would still be the old code. :func:`drop_stale` compares a digest of the ``SHARED`` files with the
 one recorded beside the caches at the last check, and where it differs (or none was recorded)

@@ -7,7 +7,8 @@ vector registers across the row's edges; the max/min gradient w.r.t. u reuses _t
 recorded winner bits as lane masks, and both gradients of u_mul_e/sum with one weight per edge come
 from _tile_mul_grad. They share the ``_ir_*`` helpers, :class:`_IRGather` and :class:`_IREdge`.
 :func:`_dot` is the g-SDDMM's dot product over a whole row; :func:`_outer_tile` a register tile
-of a weight gradient's GEMM (``kernels._dropout``'s weight gradient through a dropout).
+of a weight gradient's GEMM (``kernels._dropout``'s weight gradient through a dropout);
+:func:`_row_tile` one of a product of rows and a small matrix (``kernels._gemm``: Linears).
 
 Kernels in other modules compile this one's code in, and numba's disk cache does not see
 edits here: see the package docstring.
@@ -728,6 +729,100 @@ def _outer_tile(typingctx, X, G, nrows, k0, j0, T, KT, JT):
             for q, acc in enumerate(accs[i]):
                 builder.store(builder.load(acc), _ir_ptr(builder, trow, intp(q * 32), vty),
                               align=isz)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _row_tile(typingctx, A, W, kn, i0, j0, O, o0, M, scale, IT, JT):
+    """``O[o0 + i, j0 + j] = epilogue(sum over k < kn of A[i0 + i, k] * W[k, j0 + j])`` for ``i <
+    IT``, ``j < JT``: a register tile of ``A W`` (rows of A times a small matrix: a Linear's
+    product, its input gradient). ``IT`` and ``JT`` are compile-time integers, ``JT`` a multiple
+    of a 32-byte vector's lanes; A, W, O and M have unit strides along their rows. The epilogue
+    is chosen by ``M``'s type: 2-D, +0 where ``M[o0 + i, j0 + j] <= 0`` and ``sum * scale``
+    elsewhere, NaN included (a ReLU's and dropout's backward from their output, as torch's
+    ``threshold_backward``; a NaN or infinite sum at a masked element gives +0 too); 1-D, ``sum
+    + M[j0 + j]`` (a bias) where M has items, else the sum itself.
+
+    The ``IT x JT`` sums stay in vector registers over the whole k loop (6 x 16 float32: 12 AVX2
+    registers, 2 for W's row and 1 for the broadcast A item), each k costing JT / lanes vector
+    loads of W, IT broadcasts of A and IT * JT / lanes fused multiply-adds. Each lane adds its
+    terms in k order, rounding once per term (fma), as a plain dot product does."""
+    if not (isinstance(IT, types.IntegerLiteral) and isinstance(JT, types.IntegerLiteral)):
+        return None
+    if not (all(isinstance(a, types.Array) and a.ndim == 2 for a in (A, W, O))
+            and isinstance(M, types.Array) and M.ndim in (1, 2)):
+        return None
+    it, jt, masked = IT.literal_value, JT.literal_value, M.ndim == 2
+    sig = types.void(A, W, kn, i0, j0, O, o0, M, scale, IT, JT)
+
+    def codegen(context, builder, sig, args):
+        intp = context.get_value_type(types.intp)
+        dt = sig.args[0].dtype
+        fty = context.get_data_type(dt)
+        isz = context.get_abi_sizeof(fty)
+        lanes = 32 // isz
+        assert jt % lanes == 0, "JT must be a multiple of a 32-byte vector's lanes"
+        nvec = jt // lanes
+        vty = ir.VectorType(fty, lanes)
+        aa, wa, oa, ma = [context.make_array(sig.args[i])(context, builder, args[i])
+                          for i in (0, 1, 5, 7)]
+        n, ii, jj, oo = [context.cast(builder, args[i], sig.args[i], types.intp)
+                         for i in (2, 3, 4, 6)]
+        a_s = cgutils.unpack_tuple(builder, aa.strides)[0]
+        w_s = cgutils.unpack_tuple(builder, wa.strides)[0]
+        o_s = cgutils.unpack_tuple(builder, oa.strides)[0]
+        col = builder.mul(jj, intp(isz))
+        abase = builder.gep(_ir_bytes(builder, aa), [builder.mul(ii, a_s)])
+        arows = [builder.gep(abase, [builder.mul(intp(i), a_s)]) for i in range(it)]
+        wbase = builder.gep(_ir_bytes(builder, wa), [col])
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vty, [vty] * 3), f"llvm.fma.v{lanes}f{isz * 8}")
+        zero = ir.Constant(vty, [0.0] * lanes)
+        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(nvec)]
+                for _ in range(it)]
+        with cgutils.for_range(builder, n, intp=intp) as loop:
+            wrow = builder.gep(wbase, [builder.mul(loop.index, w_s)])
+            wv = [builder.load(_ir_ptr(builder, wrow, intp(q * 32), vty), align=isz)
+                  for q in range(nvec)]
+            koff = builder.mul(loop.index, intp(isz))
+            for i in range(it):
+                a = _ir_splat(builder, builder.load(_ir_ptr(builder, arows[i], koff, fty)), lanes)
+                for q, acc in enumerate(accs[i]):
+                    builder.store(builder.call(fma, [a, wv[q], builder.load(acc)]), acc)
+        obase = builder.gep(_ir_bytes(builder, oa), [builder.add(builder.mul(oo, o_s), col)])
+
+        def store_rows(finish):
+            for i in range(it):
+                orow = builder.gep(obase, [builder.mul(intp(i), o_s)])
+                for q, acc in enumerate(accs[i]):
+                    builder.store(finish(i, q, builder.load(acc)),
+                                  _ir_ptr(builder, orow, intp(q * 32), vty), align=isz)
+
+        if masked:
+            m_s = cgutils.unpack_tuple(builder, ma.strides)[0]
+            mbase = builder.gep(_ir_bytes(builder, ma), [builder.add(builder.mul(oo, m_s), col)])
+            sv = _ir_splat(builder, context.cast(builder, args[8], sig.args[8], dt), lanes)
+
+            def finish(i, q, v):
+                mrow = builder.gep(mbase, [builder.mul(intp(i), m_s)])
+                m = builder.load(_ir_ptr(builder, mrow, intp(q * 32), vty), align=isz)
+                # unordered: a NaN in M passes, as torch's threshold_backward (M <= 0 masks)
+                return builder.select(builder.fcmp_unordered(">", m, zero), builder.fmul(v, sv),
+                                      zero)
+            store_rows(finish)
+        else:
+            has_bias = builder.icmp_signed(">", cgutils.unpack_tuple(builder, ma.shape)[0],
+                                           intp(0))
+            with builder.if_else(has_bias) as (then, otherwise):
+                with then:
+                    brow = builder.gep(_ir_bytes(builder, ma), [col])
+                    bias = [builder.load(_ir_ptr(builder, brow, intp(q * 32), vty), align=isz)
+                            for q in range(nvec)]
+                    store_rows(lambda i, q, v: builder.fadd(v, bias[q]))
+                with otherwise:
+                    store_rows(lambda i, q, v: v)
         return context.get_dummy_value()
 
     return sig, codegen

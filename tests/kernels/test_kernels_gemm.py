@@ -1,0 +1,146 @@
+"""``kernels._gemm``: products of many rows and a small matrix in register tiles (Linears'
+products and input gradients), against float64 dense products, and its use by the cached
+Linears of ``kernels._dense``."""
+
+import pytest
+import torch
+
+from kernels import _dense, _dropout, _gemm
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _bound(a, w, extra=0.0):
+    """An elementwise bound on a float32 sum of K products in any order, one rounding each:
+    (K + 2) eps times the sum of the products' magnitudes (plus ``extra``: a bias's)."""
+    mag = a.double().abs() @ w.double().abs() + extra
+    return (a.shape[1] + 2) * EPS32 * mag + 1e-30
+
+
+def _check(got, want, bound):
+    err = (got.double() - want).abs()
+    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, bound {float(bound.max()):.3g}"
+
+
+# rows: tails of the 6-row tile and of the 96-row task; widths: 16-column tiles, an 8-column
+# tail; K from 1 up to a long sum
+SHAPES = [(1, 1, 8), (5, 3, 16), (7, 128, 24), (97, 64, 64), (200, 130, 40), (13, 1000, 8),
+          (193, 16, 136)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mm_equals_the_dense_product(shape, bias):
+    n, k, j = shape
+    gen = torch.Generator().manual_seed(n + k + j)
+    a, w = torch.randn(n, k, generator=gen), torch.randn(k, j, generator=gen)
+    b = torch.randn(j, generator=gen) if bias else None
+    out = torch.full((n, j), float("nan"))
+    assert _gemm.mm(a, w, out, b) is out
+    want = a.double() @ w.double() + (b.double() if bias else 0.0)
+    _check(out, want, _bound(a, w, b.double().abs() if bias else 0.0))
+
+
+def test_mm_reads_and_writes_rows_with_a_stride():
+    gen = torch.Generator().manual_seed(1)
+    wide_a, w = torch.randn(50, 40, generator=gen), torch.randn(24, 16, generator=gen)
+    wide_out = torch.zeros(50, 20)
+    a, out = wide_a[:, 3:27], wide_out[:, 2:18]  # row strides 40 and 20
+    _gemm.mm(a, w, out)
+    _check(out, a.double() @ w.double(), _bound(a, w))
+    assert torch.equal(wide_out[:, :2], torch.zeros(50, 2))  # nothing written outside
+    assert torch.equal(wide_out[:, 18:], torch.zeros(50, 2))
+
+
+def test_mm_relu_grad_masks_and_scales():
+    gen = torch.Generator().manual_seed(2)
+    n, k, j = 61, 16, 24
+    g, w = torch.randn(n, k, generator=gen), torch.randn(k, j, generator=gen)
+    act = torch.relu(torch.randn(n, j, generator=gen))
+    act[0, 0] = float("nan")  # not <= 0: passed, as by threshold_backward
+    g[1] = float("inf")  # row 1's sums are inf or nan: +0 where masked, inf/nan where passed
+    out = torch.empty(n, j)
+    _gemm.mm_relu_grad(g, w, act, 2.5, out)
+    prod = g.double() @ w.double()
+    keep = ~(act <= 0)
+    assert keep[0, 0] and int(keep.sum()) < n * j
+    assert torch.equal(out[~keep], torch.zeros(int((~keep).sum())))
+    assert not torch.signbit(out[~keep]).any()  # +0
+    rows = torch.arange(n) != 1
+    sel = keep & rows.unsqueeze(1)
+    _check(out[sel], (prod * 2.5)[sel], (_bound(g, w) * 2.5)[sel])
+    assert not torch.isfinite(out[1][keep[1]]).any()
+    # torch's op, as kernels._dense computes it where the tiles do not apply: the same mask
+    ref = torch.ops.aten.threshold_backward(torch.mm(g, w).mul_(2.5), act, 0)
+    assert torch.equal(out == 0, ref == 0)
+
+
+def test_applies_to_many_float32_rows_of_a_multiple_of_8_outputs(monkeypatch):
+    monkeypatch.setattr(_gemm, "MIN_ROWS", 64)
+    monkeypatch.setattr(_gemm, "MIN_ROWS_WIDE", 16)
+    monkeypatch.setattr(_gemm, "WIDE", 32)
+    a, w = torch.zeros(64, 8), torch.zeros(8, 16)
+    with torch.no_grad():
+        assert _gemm.applies(a, w)
+        assert not _gemm.applies(a[:63], w)  # too few rows
+        assert _gemm.applies(torch.zeros(16, 32), torch.zeros(32, 16))  # a wide K: fewer rows
+        assert not _gemm.applies(torch.zeros(15, 32), torch.zeros(32, 16))
+        assert not _gemm.applies(a, torch.zeros(8, 12))  # J not a multiple of 8
+        assert not _gemm.applies(a.double(), w.double())
+        assert not _gemm.applies(a.t().contiguous().t(), w)  # columns of a stride
+        assert not _gemm.applies(a, torch.zeros(9, 16))  # shapes that do not chain
+    assert not _gemm.applies(a, w)  # grad mode: torch's differentiable op
+
+
+def test_bad_out_names_the_shape():
+    a, w = torch.zeros(10, 8), torch.zeros(8, 16)
+    with pytest.raises(ValueError, match=r"\[10, 16\]"):
+        _gemm.mm(a, w, torch.zeros(10, 8))
+    with pytest.raises(ValueError, match="act must be"):
+        _gemm.mm_relu_grad(a, w, torch.zeros(10, 8), 1.0, torch.zeros(10, 16))
+
+
+def _counting(monkeypatch):
+    calls = []
+    kernel = _gemm._kernel
+
+    def counted(*args):
+        calls.append(args[3].ndim)  # 1: a product (with or without bias), 2: a ReLU's gradient
+        return kernel(*args)
+    monkeypatch.setattr(_gemm, "_kernel", counted)
+    monkeypatch.setattr(_gemm, "MIN_ROWS", 1)
+    return calls
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_cached_linear_takes_the_tiles_forward_and_backward(monkeypatch, bias):
+    calls = _counting(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4096, 48, generator=gen, requires_grad=True)  # a result of 1 MiB
+    lin = torch.nn.Linear(48, 64, bias=bias)
+    out = _dense.linear(x, lin.weight, lin.bias)
+    g = torch.randn(out.shape, generator=gen)
+    out.backward(g)
+    assert calls == [1, 1]  # the product and x's gradient
+    xd = x.detach().double()
+    want = xd @ lin.weight.detach().double().t() + (lin.bias.detach().double() if bias else 0)
+    _check(out.detach(), want, _bound(x.detach(), lin.weight.detach().t(),
+                                      lin.bias.detach().double().abs() if bias else 0.0))
+    _check(x.grad, g.double() @ lin.weight.detach().double(), _bound(g, lin.weight.detach()))
+
+
+def test_linear_of_a_fusable_relu_dropout_masks_in_the_tiles(monkeypatch):
+    calls = _counting(monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    z = torch.randn(16500, 64, generator=gen, requires_grad=True)  # a result of >= 1 MiB
+    w = torch.randn(16, 64, generator=gen, requires_grad=True)
+    a = _dropout.relu_dropout(z, 0.5, 77, fusable=True)
+    out = _dense.linear(a, w)
+    _dropout.forget(a)
+    g = torch.randn(out.shape, generator=gen)
+    out.backward(g)
+    assert calls == [1, 2]  # the product, then z's gradient with the ReLU's mask
+    ad = a.detach()
+    gz = torch.where(ad > 0, (g.double() @ w.detach().double()) * 2.0, 0.0)
+    _check(z.grad, gz, _bound(g, w.detach()) * 2.0)
+    _check(w.grad, g.double().t() @ ad.double(), _bound(g.t(), ad))
