@@ -23,7 +23,7 @@ import torch
 from numba import njit, prange
 
 from ._cpu.fastmath import _vexp
-from ._cpu.tiles import _outer_tile
+from ._gemm import _JT, _KT, _block_products
 from ._outcache import CACHE as _CACHE
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -211,7 +211,7 @@ def chunks(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = Non
 # -- A Linear's weight gradient through the dropout, in one kernel --------------------------------
 # rows per block of :func:`weight_grads`: each thread makes a block's dropout again in a buffer of
 # its own (256 rows of 128 float32 features: 128 KiB, in L2 beside the block's gradient rows) and
-# takes its products in register tiles of up to _KT x _JT: 6 x 16 float32 are 12 AVX2
+# takes its products in register tiles of up to _KT x _JT (``kernels._gemm``): 6 x 16 float32 are 12 AVX2
 # accumulators, which keep both FMA pipes busy where 4 x 16 (8) did not (products alone on
 # in-cache blocks, one thread, scratch timing: 54 -> 73 GFLOP/s). ``weight_grads`` on x [1M, 128],
 # 4 x 16 tiles on 128 rows against 6 x 16 on 256, taking turns (8 rounds, median, scratch script,
@@ -221,7 +221,6 @@ def chunks(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = Non
 # 2026-11-28) a [1M, 64] gradient took 254 -> 199 ms and [1M, 16] 131 -> 76, while the forward
 # that writes the flags took 95 -> 103 ms.
 WG_ROWS = 256
-_KT, _JT = 6, 16
 # the widest gradients (their widths summed) :func:`weight_grads` takes. Against chunks() and
 # torch's GEMMs, x [1M, 128], one process, the two taking turns, 5 rounds (median ratio, scratch
 # script, 2026-11-28, with 4 x 16 tiles): width 16 0.47, 32 0.59, 64 0.69-0.78, 128 0.87, 256
@@ -251,22 +250,14 @@ def _mask_block(src, buf, keep, scale):
         buf[i] = src[i] * (scale if keep[i] else zero)
 
 
-@njit(inline="always")
-def _fold(acc, tile, k0, kt, c0):
-    """``acc[k0:k0 + kt, c0:c0 + _JT] += tile[:kt]`` (float64 sums of a block's tile)."""
-    for i in range(kt):
-        for j in range(_JT):
-            acc[k0 + i, c0 + j] += tile[i, j]
-
-
 @njit(parallel=True, cache=True, nogil=True)
 def _weight_grads_kernel(x, gs, offs, seed, threshold, scale, nthreads, keep):
     """``acc[:, offs[q]:offs[q + 1]] = dropout(x)^T gs[q]`` for every gradient ``gs[q]`` [N,
     J_q] (J_q >= _JT), in float64 ([K, sum J]); ``x`` [N, K] C-contiguous. Threads take
     consecutive runs of WG_ROWS-row blocks; a block's products are summed in x's type in
-    registers (``_outer_tile``: _KT features at a time, then 4, 2 and 1 for the last K % _KT),
-    then added to the thread's float64 sums. ``keep``: the dropout's keep flags (uint8 [N K]),
-    read instead of hashing each element again, or empty to hash."""
+    register tiles, then added to the thread's float64 sums (``kernels._gemm._block_products``).
+    ``keep``: the dropout's keep flags (uint8 [N K]), read instead of hashing each element
+    again, or empty to hash."""
     n, K = x.shape
     nb = (n + WG_ROWS - 1) // WG_ROWS
     per = (nb + nthreads - 1) // nthreads
@@ -284,35 +275,7 @@ def _weight_grads_kernel(x, gs, offs, seed, threshold, scale, nthreads, keep):
                 _mask_block(xf[r0 * K:(r0 + m) * K], buf, keep[r0 * K:(r0 + m) * K], scale)
             else:
                 _dropout_block(xf[r0 * K:(r0 + m) * K], buf, r0 * K, seed, threshold, scale)
-            for q in range(len(gs)):
-                gb = gs[q][r0:r0 + m]
-                J, o = gb.shape[1], offs[q]
-                jmain = J - J % _JT
-                for j0 in range(0, jmain, _JT):
-                    # tile heights are literals (each its own register code)
-                    k0 = 0
-                    while k0 + _KT <= K:
-                        _outer_tile(xb, gb, m, k0, j0, tile, _KT, _JT)
-                        _fold(acc, tile, k0, _KT, o + j0)
-                        k0 += _KT
-                    if k0 + 4 <= K:
-                        _outer_tile(xb, gb, m, k0, j0, tile, 4, _JT)
-                        _fold(acc, tile, k0, 4, o + j0)
-                        k0 += 4
-                    if k0 + 2 <= K:
-                        _outer_tile(xb, gb, m, k0, j0, tile, 2, _JT)
-                        _fold(acc, tile, k0, 2, o + j0)
-                        k0 += 2
-                    if k0 < K:
-                        _outer_tile(xb, gb, m, k0, j0, tile, 1, _JT)
-                        _fold(acc, tile, k0, 1, o + j0)
-                # what the tiles leave: the last J % _JT columns
-                if jmain < J:
-                    for r in range(m):
-                        for k in range(K):
-                            a = np.float64(xb[r, k])
-                            for j in range(jmain, J):
-                                acc[k, o + j] += a * gb[r, j]
+            _block_products(xb[:m], gs, offs, r0, m, acc, tile)
     return accs
 
 

@@ -2,8 +2,8 @@
 
 Numba checks a cached kernel against its own source file only (its modification time and size).
 The CPU kernels in ``kernels/_cpu/spmm.py``, ``sddmm.py``, ``softmax.py``, ``kernels/_dropout.py``,
-``_loss.py`` and ``_gemm.py``, and the CUDA ones in ``_numba_cuda.py``, also compile in code and constants of
-``SHARED``: after a ``git pull`` or an edit that changed only one of those, their cached kernels
+``_loss.py`` and ``_gemm.py``, and the CUDA ones in ``_numba_cuda.py``, also compile in code and
+constants of ``SHARED`` (``_gemm.py``'s tile loops are compiled into ``_dropout.py``'s): after a ``git pull`` or an edit that changed only one of those, their cached kernels
 would still be the old code. :func:`drop_stale` compares a digest of the ``SHARED`` files with the
 one recorded beside the caches at the last check, and where it differs (or none was recorded)
 deletes the package's ``*.nbi`` / ``*.nbc`` files, so that the next call compiles again. It runs
@@ -18,7 +18,8 @@ import hashlib
 import os
 from pathlib import Path
 
-SHARED = ("_scalar.py", "_cpu/codes.py", "_cpu/intrinsics.py", "_cpu/tiles.py", "_cpu/fastmath.py")
+SHARED = ("_scalar.py", "_cpu/codes.py", "_cpu/intrinsics.py", "_cpu/tiles.py", "_cpu/fastmath.py",
+          "_gemm.py")
 STAMP = "ngra-shared-kernel-code.sha256"
 
 

@@ -1,9 +1,10 @@
 """``kernels._gemm``: products of many rows and a small matrix in register tiles (Linears'
-products and input gradients), against float64 dense products, and its use by the cached
-Linears of ``kernels._dense``."""
+products and input gradients, whole MLPs), against float64 dense products, and its use by the
+cached Linears and MLPs of ``kernels._dense``."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import _dense, _dropout, _gemm
 
@@ -144,3 +145,65 @@ def test_linear_of_a_fusable_relu_dropout_masks_in_the_tiles(monkeypatch):
     gz = torch.where(ad > 0, (g.double() @ w.detach().double()) * 2.0, 0.0)
     _check(z.grad, gz, _bound(g, w.detach()) * 2.0)
     _check(w.grad, g.double().t() @ ad.double(), _bound(g.t(), ad))
+
+
+# -- the blocked MLP (kernels._dense._BlockedMlp) through _gemm's kernels -------------------------
+def _mlp_ref(x, w1, b1, w2, b2):
+    h = x if w1 is None else F.linear(x, w1, b1)
+    return F.linear(torch.relu(h), w2, b2)
+
+
+MLPS = {  # name: (rows, in, hidden or None for relu(x) -> Linear, out, biases)
+    "GIN layer 2 (64 -> 64 -> 16)": (1001, 64, 64, 16, True),
+    "relu then Linear (64 -> 64)": (517, 64, None, 64, True),
+    "8-column tails, no biases": (199, 24, 40, 8, False),
+}
+
+
+@pytest.mark.parametrize("wanted", ["all", "x", "weights"])
+@pytest.mark.parametrize("case", sorted(MLPS))
+def test_blocked_mlp_in_tiles_equals_the_dense_mlp(monkeypatch, case, wanted):
+    monkeypatch.setattr(_gemm, "MIN_ROWS", 1)
+    runs = []
+    for name in ("_mlp_kernel", "_mlp_backward_kernel"):
+        kernel = getattr(_gemm, name)
+        monkeypatch.setattr(_gemm, name, lambda *a, _k=kernel, _n=name: runs.append(_n) or _k(*a))
+    n, kin, hidden, out, biases = MLPS[case]
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, kin, generator=gen)
+    x[3, :5] = -x[3, :5].abs()  # some negative pre-activations for certain
+    w1 = None if hidden is None else torch.randn(hidden, kin, generator=gen) / 4
+    b1 = torch.randn(hidden, generator=gen) if biases and hidden else None
+    w2 = torch.randn(out, hidden or kin, generator=gen) / 4
+    b2 = torch.randn(out, generator=gen) if biases else None
+    params = [t for t in (x, w1, b1, w2, b2) if t is not None]
+    for t in params:
+        t.requires_grad_(wanted == "all" or (t is x) == (wanted == "x"))
+    got = _dense._BlockedMlp.apply(x, w1, b1, w2, b2)
+    g = torch.randn(got.shape, generator=gen)
+    leaves = [t for t in params if t.requires_grad]
+    grads = torch.autograd.grad(got, leaves, g)
+    assert runs == ["_mlp_kernel", "_mlp_backward_kernel"]
+    ref = [None if t is None else t.detach().double().requires_grad_(t.requires_grad)
+           for t in (x, w1, b1, w2, b2)]
+    want = _mlp_ref(*ref)
+    want_grads = torch.autograd.grad(want, [t for t in ref if t is not None and t.requires_grad],
+                                     g.double())
+    torch.testing.assert_close(got.detach().double(), want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, want_grads):
+        assert a.dtype == torch.float32 and a.shape == b.shape
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-4 * float(b.abs().max()))
+
+
+def test_blocked_mlp_falls_back_where_the_tiles_do_not_apply(monkeypatch):
+    monkeypatch.setattr(_gemm, "MIN_ROWS", 1)
+    with torch.no_grad():
+        x, w = torch.zeros(64, 64), torch.zeros(64, 64)
+        assert _gemm.mlp_applies(x, w, torch.zeros(16, 64))
+        assert _gemm.mlp_applies(x, None, torch.zeros(16, 64))
+        assert not _gemm.mlp_applies(x, w, torch.zeros(12, 64))  # out not a multiple of 8
+        assert not _gemm.mlp_applies(x.double(), w.double(), torch.zeros(16, 64).double())
+        assert not _gemm.mlp_applies(x.t(), w, torch.zeros(16, 64))  # not contiguous
+    monkeypatch.setattr(_gemm, "MIN_ROWS", 65)
+    with torch.no_grad():
+        assert not _gemm.mlp_applies(x, w, torch.zeros(16, 64))  # too few rows
