@@ -227,6 +227,12 @@ WG_ROWS = 256
 # 0.99-1.04. Its products then ran at 34 GFLOP/s a core against MKL's 43 (this AMD EPYC: AVX2),
 # so what it saves is the dropout's passes, which weigh less the wider the gradient.
 WG_MAX_WIDTH = 192
+# the largest float64 sums per thread (in features x gradient columns x 8 bytes) it takes: each
+# block of rows adds into all of them. Against chunks() and torch's GEMMs (5 rounds taking turns,
+# medians, scratch script, 2026-11-29), [18K, K] x [18K, 64]: K = 2048 (1 MiB) 1.03, 3072 (1.5
+# MiB) 0.98, 4096 (2 MiB) 1.20, Coauthor CS's 6805 (3.3 MiB) 2.21 (671 against 304 ms: GCN's
+# epoch there had doubled); 6805 x 16 (0.8 MiB) 0.92; [100K, 1000] x 64 0.67.
+WG_MAX_SUMS_BYTES = 3 << 19
 
 
 @njit(inline="always")
@@ -290,12 +296,14 @@ def weight_grads(x: torch.Tensor, p: float, seed: int, gs, mask=None) -> list | 
     threads to torch's. Sums in float64 of per-block float32 sums: as exact as torch's GEMM or
     more, and the same bits for any thread count (up to the final rounding of the float64 sums).
     None where it does not apply (then :func:`chunks` and torch's GEMMs): float32 on the CPU,
-    every ``g`` [N, >= 16] float32, at most WG_MAX_WIDTH columns in all. ``mask``: the dropout's
+    every ``g`` [N, >= 16] float32, at most WG_MAX_WIDTH columns in all, at most
+    WG_MAX_SUMS_BYTES of float64 sums (in x sum out x 8) per thread. ``mask``: the dropout's
     keep flags (:func:`mask_of`), read instead of hashing each element again."""
     if (x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or not gs
             or any(g.dtype != x.dtype or g.dim() != 2 or g.shape[0] != x.shape[0]
                    or g.device.type != "cpu" or g.shape[1] < _JT for g in gs)
-            or sum(g.shape[1] for g in gs) > WG_MAX_WIDTH):
+            or sum(g.shape[1] for g in gs) > WG_MAX_WIDTH
+            or x.shape[-1] * sum(g.shape[1] for g in gs) * 8 > WG_MAX_SUMS_BYTES):
         return None
     xc = x.detach().contiguous()
     garr = tuple(g.detach().contiguous().numpy() for g in gs)

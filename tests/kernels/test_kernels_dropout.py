@@ -266,12 +266,17 @@ def test_weight_grads_kernel_is_the_same_for_any_thread_count():
     torch.testing.assert_close(got[0], got[-1], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["float64", "narrow", "too wide", "rows differ", "none", "1-d"])
+@pytest.mark.parametrize("case", ["float64", "narrow", "too wide", "rows differ", "none", "1-d",
+                                  "sums too large"])
 def test_weight_grads_kernel_declines_what_it_does_not_take(case):
     """None (the caller then takes chunks() and torch's GEMMs) for float64, a gradient under 16
-    columns, more than WG_MAX_WIDTH columns in all, mismatched rows, no gradient, a 1-D x."""
+    columns, more than WG_MAX_WIDTH columns in all, mismatched rows, no gradient, a 1-D x, more
+    than WG_MAX_SUMS_BYTES of float64 sums per thread (Coauthor CS's 6805 features x 64)."""
     x, g = torch.randn(50, 8), torch.randn(50, 16)
     args = {"float64": (x.double(), [g.double()]), "narrow": (x, [g[:, :15]]),
             "too wide": (x, [torch.randn(50, _dropout.WG_MAX_WIDTH + 1)]),
-            "rows differ": (x, [g[:49]]), "none": (x, []), "1-d": (x[:, 0], [g])}[case]
+            "rows differ": (x, [g[:49]]), "none": (x, []), "1-d": (x[:, 0], [g]),
+            "sums too large": (torch.randn(50, 6805), [torch.randn(50, 64)])}[case]
     assert _dropout.weight_grads(args[0], 0.5, 1, args[1]) is None
+    if case == "sums too large":  # its largest take: 6805 features x 16 columns
+        assert _dropout.weight_grads(args[0], 0.5, 1, [g]) is not None
