@@ -227,11 +227,12 @@ WG_ROWS = 256
 # 0.99-1.04. Its products then ran at 34 GFLOP/s a core against MKL's 43 (this AMD EPYC: AVX2),
 # so what it saves is the dropout's passes, which weigh less the wider the gradient.
 WG_MAX_WIDTH = 192
-# the largest float64 sums per thread (in features x gradient columns x 8 bytes) it takes: each
-# block of rows adds into all of them. Against chunks() and torch's GEMMs (5 rounds taking turns,
-# medians, scratch script, 2026-11-29), [18K, K] x [18K, 64]: K = 2048 (1 MiB) 1.03, 3072 (1.5
-# MiB) 0.98, 4096 (2 MiB) 1.20, Coauthor CS's 6805 (3.3 MiB) 2.21 (671 against 304 ms: GCN's
-# epoch there had doubled); 6805 x 16 (0.8 MiB) 0.92; [100K, 1000] x 64 0.67.
+# the largest float64 sums per thread (in features x gradient columns x 8 bytes) that
+# _weight_grads_kernel takes (each block of rows adds into all of them); wider, the tasks split
+# the columns (_weight_grads_wide_kernel). The rows-split kernel against chunks() and torch's
+# GEMMs (5 rounds taking turns, medians, scratch script, 2026-11-29), [18K, K] x [18K, 64]: K =
+# 2048 (1 MiB) 1.03, 3072 (1.5 MiB) 0.98, 4096 (2 MiB) 1.20, Coauthor CS's 6805 (3.3 MiB) 2.21
+# (671 against 304 ms); 6805 x 16 (0.8 MiB) 0.92; [100K, 1000] x 64 0.67.
 WG_MAX_SUMS_BYTES = 3 << 19
 
 
@@ -285,6 +286,42 @@ def _weight_grads_kernel(x, gs, offs, seed, threshold, scale, nthreads, keep):
     return accs
 
 
+# columns and rows per step of _weight_grads_wide_kernel: a [WIDE_ROWS, WIDE_COLS] float32 block of
+# the dropout (128 KiB) and its columns' float64 sums ([WIDE_COLS, out]: 256 KiB for 64 outputs).
+# Against chunks() and torch's GEMMs on [18K, 6805] x [18K, 64] (5 rounds taking turns, medians,
+# scratch script, 2026-11-29): 512 x 64 0.77 (273 against 355 ms), 256 x 128 0.87-0.98, 1024 x 48
+# 0.89; [18K, 4096] x 64 and [18K, 6805] x 128 0.87 with 256 x 128.
+WIDE_COLS, WIDE_ROWS = 512, 64
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _weight_grads_wide_kernel(x, gs, offs, seed, threshold, scale, keep):
+    """``_weight_grads_kernel``'s sums for a wide ``x`` (many in-features), split by columns
+    instead of rows: each task takes WIDE_COLS of x's columns and walks all the rows, a block of
+    WIDE_ROWS at a time (the block's dropout made again in a buffer, its products with the
+    gradients' rows added to that column range's float64 sums, which only that task writes).
+    Returns the sums [K, sum J]; no per-thread copies of them."""
+    n, K = x.shape
+    accs = np.zeros((K, offs[-1]), np.float64)
+    xf = x.reshape(n * K)
+    for c in prange((K + WIDE_COLS - 1) // WIDE_COLS):
+        k0 = c * WIDE_COLS
+        kw = min(WIDE_COLS, K - k0)
+        acc = accs[k0:k0 + kw]
+        buf = np.empty((WIDE_ROWS, WIDE_COLS), x.dtype)
+        tile = np.empty((_KT, _JT), x.dtype)
+        for r0 in range(0, n, WIDE_ROWS):
+            m = min(WIDE_ROWS, n - r0)
+            for i in range(m):
+                a = (r0 + i) * K + k0
+                if keep.size:
+                    _mask_block(xf[a:a + kw], buf[i], keep[a:a + kw], scale)
+                else:
+                    _dropout_block(xf[a:a + kw], buf[i], a, seed, threshold, scale)
+            _block_products(buf[:m, :kw], gs, offs, r0, m, acc, tile)
+    return accs
+
+
 _NO_MASK = np.zeros(0, np.uint8)
 
 
@@ -296,23 +333,27 @@ def weight_grads(x: torch.Tensor, p: float, seed: int, gs, mask=None) -> list | 
     threads to torch's. Sums in float64 of per-block float32 sums: as exact as torch's GEMM or
     more, and the same bits for any thread count (up to the final rounding of the float64 sums).
     None where it does not apply (then :func:`chunks` and torch's GEMMs): float32 on the CPU,
-    every ``g`` [N, >= 16] float32, at most WG_MAX_WIDTH columns in all, at most
-    WG_MAX_SUMS_BYTES of float64 sums (in x sum out x 8) per thread. ``mask``: the dropout's
+    every ``g`` [N, >= 16] float32, at most WG_MAX_WIDTH columns in all. Beyond
+    WG_MAX_SUMS_BYTES of float64 sums (in x sum out x 8) per thread, the tasks split the
+    columns instead of the rows (``_weight_grads_wide_kernel``). ``mask``: the dropout's
     keep flags (:func:`mask_of`), read instead of hashing each element again."""
     if (x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or not gs
             or any(g.dtype != x.dtype or g.dim() != 2 or g.shape[0] != x.shape[0]
                    or g.device.type != "cpu" or g.shape[1] < _JT for g in gs)
-            or sum(g.shape[1] for g in gs) > WG_MAX_WIDTH
-            or x.shape[-1] * sum(g.shape[1] for g in gs) * 8 > WG_MAX_SUMS_BYTES):
+            or sum(g.shape[1] for g in gs) > WG_MAX_WIDTH):
         return None
     xc = x.detach().contiguous()
     garr = tuple(g.detach().contiguous().numpy() for g in gs)
     offs = np.zeros(len(gs) + 1, np.int64)
     offs[1:] = np.cumsum([g.shape[1] for g in garr])
-    nthreads = numba.get_num_threads()
-    accs = _weight_grads_kernel(xc.numpy(), garr, offs, *_kernel_args(p, seed, xc.dtype),
-                                nthreads, _NO_MASK if mask is None else mask)
-    acc = torch.from_numpy(accs.sum(0).T).to(x.dtype)
+    args = _kernel_args(p, seed, xc.dtype)
+    keep = _NO_MASK if mask is None else mask
+    if xc.shape[1] * int(offs[-1]) * 8 > WG_MAX_SUMS_BYTES:  # wide: tasks by columns
+        sums = _weight_grads_wide_kernel(xc.numpy(), garr, offs, *args, keep)
+    else:
+        sums = _weight_grads_kernel(xc.numpy(), garr, offs, *args, numba.get_num_threads(),
+                                    keep).sum(0)
+    acc = torch.from_numpy(sums.T).to(x.dtype)
     return [acc[a:b].contiguous() for a, b in zip(offs[:-1], offs[1:])]
 
 

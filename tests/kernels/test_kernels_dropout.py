@@ -266,17 +266,38 @@ def test_weight_grads_kernel_is_the_same_for_any_thread_count():
     torch.testing.assert_close(got[0], got[-1], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["float64", "narrow", "too wide", "rows differ", "none", "1-d",
-                                  "sums too large"])
+@pytest.mark.parametrize("case", ["float64", "narrow", "too wide", "rows differ", "none", "1-d"])
 def test_weight_grads_kernel_declines_what_it_does_not_take(case):
     """None (the caller then takes chunks() and torch's GEMMs) for float64, a gradient under 16
-    columns, more than WG_MAX_WIDTH columns in all, mismatched rows, no gradient, a 1-D x, more
-    than WG_MAX_SUMS_BYTES of float64 sums per thread (Coauthor CS's 6805 features x 64)."""
+    columns, more than WG_MAX_WIDTH columns in all, mismatched rows, no gradient, a 1-D x."""
     x, g = torch.randn(50, 8), torch.randn(50, 16)
     args = {"float64": (x.double(), [g.double()]), "narrow": (x, [g[:, :15]]),
             "too wide": (x, [torch.randn(50, _dropout.WG_MAX_WIDTH + 1)]),
-            "rows differ": (x, [g[:49]]), "none": (x, []), "1-d": (x[:, 0], [g]),
-            "sums too large": (torch.randn(50, 6805), [torch.randn(50, 64)])}[case]
+            "rows differ": (x, [g[:49]]), "none": (x, []), "1-d": (x[:, 0], [g])}[case]
     assert _dropout.weight_grads(args[0], 0.5, 1, args[1]) is None
-    if case == "sums too large":  # its largest take: 6805 features x 16 columns
-        assert _dropout.weight_grads(args[0], 0.5, 1, [g]) is not None
+
+
+@pytest.mark.parametrize("flags", [False, True])
+def test_weight_grads_of_a_wide_x_split_by_columns(monkeypatch, flags):
+    """Beyond WG_MAX_SUMS_BYTES of sums per thread the tasks take column ranges of x
+    (``_weight_grads_wide_kernel``): the same products as the dense ones, for ranges of
+    WIDE_COLS columns and a short last one, blocks of WIDE_ROWS rows and a short last one, two
+    gradients, hashing or from the keep flags."""
+    calls = []
+    wide = _dropout._weight_grads_wide_kernel
+    monkeypatch.setattr(_dropout, "_weight_grads_wide_kernel",
+                        lambda *a: calls.append(1) or wide(*a))
+    gen = torch.Generator().manual_seed(9)
+    rows, width = 2 * _dropout.WIDE_ROWS + 7, 2 * _dropout.WIDE_COLS + 37
+    x = torch.randn(rows, width, generator=gen)
+    gs = [torch.randn(rows, 16, generator=gen), torch.randn(rows, 21, generator=gen)]
+    xd = _dropout.dropout(x, 0.4, 4321)
+    assert width * 37 * 8 <= _dropout.WG_MAX_SUMS_BYTES  # small enough for the rows split
+    monkeypatch.setattr(_dropout, "WG_MAX_SUMS_BYTES", 1024)
+    got = _dropout.weight_grads(x, 0.4, 4321, gs, _dropout.mask_of(xd) if flags else None)
+    assert calls == [1]
+    for g, w in zip(gs, got):
+        want = g.double().t() @ xd.double()
+        assert w.shape == (g.shape[1], width) and w.dtype == torch.float32 and w.is_contiguous()
+        torch.testing.assert_close(w.double(), want, rtol=0,
+                                   atol=1e-6 * float(want.abs().max()) + 1e-6)
