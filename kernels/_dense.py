@@ -339,12 +339,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class _LinearGroup(torch.autograd.Function):
     """``F.linear(x, w_i, b_i)`` for several Linears on one ``x`` (``wb`` = ``w_0, b_0, w_1, b_1,
     ...``, a bias may be None). The forward is :class:`_Linear`'s, one GEMM per Linear into its
-    own block (the separate Linears' values to the bit). The backward takes all the gradients at once (autograd
-    calls it when every output's gradient is in): ``x``'s gradient as one GEMM of the gradients
-    side by side ([N, sum out]) and the weights stacked, instead of one [N, in] product per
-    Linear and their sums; the weight gradients in one pass over ``x`` (over the dropout made
-    again once, where ``x`` is a dropout of the input features, not once per Linear). Both are
-    the same sums as the separate Linears' in another grouping (equal up to rounding)."""
+    own block (the separate Linears' values to the bit). The backward takes all the gradients at
+    once (autograd calls it when every output's gradient is in): ``x``'s gradient as one GEMM of
+    the gradients side by side ([N, sum out]) and the weights stacked, instead of one [N, in]
+    product per Linear and their sums; the weight gradients in one pass over ``x`` (over the
+    dropout made again once, where ``x`` is a dropout of the input features, not once per
+    Linear). Both are the same sums as the separate Linears' in another grouping (equal up to
+    rounding)."""
 
     @staticmethod
     def forward(ctx, x, *wb):

@@ -211,8 +211,8 @@ def chunks(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = Non
 # -- A Linear's weight gradient through the dropout, in one kernel --------------------------------
 # rows per block of :func:`weight_grads`: each thread makes a block's dropout again in a buffer of
 # its own (256 rows of 128 float32 features: 128 KiB, in L2 beside the block's gradient rows) and
-# takes its products in register tiles of up to _KT x _JT (``kernels._gemm``): 6 x 16 float32 are 12 AVX2
-# accumulators, which keep both FMA pipes busy where 4 x 16 (8) did not (products alone on
+# takes its products in register tiles of up to _KT x _JT (``kernels._gemm``): 6 x 16 float32 are
+# 12 AVX2 accumulators, which keep both FMA pipes busy where 4 x 16 (8) did not (products alone on
 # in-cache blocks, one thread, scratch timing: 54 -> 73 GFLOP/s). ``weight_grads`` on x [1M, 128],
 # 4 x 16 tiles on 128 rows against 6 x 16 on 256, taking turns (8 rounds, median, scratch script,
 # 2026-11-28): a [1M, 64] gradient 306 -> 287 ms (0.94), [1M, 16] 0.87, [1M, 192] 0.93; 6 x 16 on

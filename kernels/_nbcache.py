@@ -3,11 +3,12 @@
 Numba checks a cached kernel against its own source file only (its modification time and size).
 The CPU kernels in ``kernels/_cpu/spmm.py``, ``sddmm.py``, ``softmax.py``, ``kernels/_dropout.py``,
 ``_loss.py`` and ``_gemm.py``, and the CUDA ones in ``_numba_cuda.py``, also compile in code and
-constants of ``SHARED`` (``_gemm.py``'s tile loops are compiled into ``_dropout.py``'s): after a ``git pull`` or an edit that changed only one of those, their cached kernels
-would still be the old code. :func:`drop_stale` compares a digest of the ``SHARED`` files with the
-one recorded beside the caches at the last check, and where it differs (or none was recorded)
-deletes the package's ``*.nbi`` / ``*.nbc`` files, so that the next call compiles again. It runs
-once per process, at ``import kernels``, in about a millisecond. Caches outside the package's
+constants of ``SHARED`` (``_gemm.py``'s tile loops are compiled into ``_dropout.py``'s): after a
+``git pull`` or an edit that changed only one of those, their cached kernels would still be the
+old code. :func:`drop_stale` compares a digest of the ``SHARED`` files with the one recorded
+beside the caches at the last check, and where it differs (or none was recorded) deletes the
+package's ``*.nbi`` / ``*.nbc`` files, so that the next call compiles again. It runs once per
+process, at ``import kernels``, in about a millisecond. Caches outside the package's
 ``__pycache__`` folders (``NUMBA_CACHE_DIR``, or numba's user-wide folder for a read-only
 install) are not touched; where the folders cannot be written, nothing is done.
 """

@@ -20,7 +20,8 @@ def _bound(a, w, extra=0.0):
 
 def _check(got, want, bound):
     err = (got.double() - want).abs()
-    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, bound {float(bound.max()):.3g}"
+    assert bool((err <= bound).all()), \
+        f"max error {float(err.max()):.3g}, bound {float(bound.max()):.3g}"
 
 
 # rows: tails of the 6-row tile and of the 96-row task; widths: 16-column tiles, an 8-column
