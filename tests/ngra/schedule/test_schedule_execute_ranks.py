@@ -126,8 +126,9 @@ def test_every_schedule_matches_single_device(name, p):
     assert any(k.startswith("GPipe") for k in scheds) and "greedy 1F1B" in scheds
     if name == "linear":
         assert "1F1B" in scheds
-    # The M-shape on 4 devices takes the solver ~20 s: a long timeout, not a flaky test.
-    scheds["searched"] = tessel(prob, instances=(1,), timeout_s=60).schedule
+    # The M-shape on 4 devices takes the solver ~20 s alone, and over 60 s with the other test
+    # suite beside it on CI's 2 cores (2026-11-29): a long timeout, not a flaky test.
+    scheds["searched"] = tessel(prob, instances=(1,), timeout_s=300).schedule
     for s in scheds.values():
         check(s)
     cfg = _config(placement, p, steps=2)
