@@ -14,8 +14,9 @@ rounds; each call hands the cores from torch's threads to numba's): hence ``MIN_
 ``MIN_ROWS_WIDE`` for sums of at least ``WIDE`` terms.
 
 Each result is the sum of its products in k order, one rounding per term (fma), then the bias
-added: MKL's float32 kernel here gives the same bits for K up to 128 (it blocks longer sums), but
-that is MKL's choice, not a promise; the tests compare against a float64 reference.
+added: MKL's float32 kernel here gives the same bits for K up to 128 and J of 16 or more (it
+blocks longer sums, and 8 columns differ in the last bit), but that is MKL's choice, not a
+promise; the tests compare against a float64 reference.
 
 :func:`mm_relu_grad` is the input gradient of Linears reading ``a = relu_dropout(z)`` with the
 ReLU's and dropout's backward taken in the tile's epilogue: ``(g W) * scale``, +0 where ``a <=
