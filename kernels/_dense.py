@@ -229,6 +229,52 @@ def _linear(x, weight, bias=None):
     return NotImplemented
 
 
+class _DropoutLinear(torch.autograd.Function):
+    """``F.linear(dropout(x, p, seed), weight, bias)`` with the dropout made a block of rows at a
+    time inside the product (``kernels._dropout.dropout_mm``): no [N, in] tensor for it, its
+    write and read back saved. Backward is :class:`_Linear`'s on a dropout it can make again:
+    the weight gradient from ``x`` and the keep flags, ``x``'s gradient the dropout (same mask)
+    of ``g W``. The same bits as the dropout followed by the cached Linear."""
+
+    @staticmethod
+    def forward(ctx, x, p, seed, weight, bias):
+        out, keep = _dropout.dropout_mm(x, p, seed, weight.t(), bias)
+        ctx.p, ctx.seed, ctx.keep, ctx.has_bias = p, seed, keep, bias is not None
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        gx = gw = gb = None
+        if need[0]:
+            gx = _dropout.recompute(_mm(g, weight), ctx.p, ctx.seed) \
+                if torch.is_grad_enabled() else _dropout._apply(_mm(g, weight), ctx.p, ctx.seed)
+        if need[3]:
+            if torch.is_grad_enabled():  # create_graph: through the differentiable dropout
+                gw = _weight_grad(_dropout.recompute(x, ctx.p, ctx.seed), g)
+            else:
+                gw = _weight_grad_dropped(x, ctx.p, ctx.seed, None, g, ctx.keep)
+        if ctx.has_bias and need[4]:
+            gb = g.sum(0)
+        return gx, None, None, gw, gb
+
+
+def dropout_linear(x: torch.Tensor, p: float, seed: int, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None):
+    """``linear(dropout(x, p, seed), weight, bias)`` (``kernels._dropout.dropout``: the same
+    mask, the same bits) in one kernel where it applies (float32 on the CPU, C-contiguous ``x``
+    of many rows, an output width that is a multiple of 8: see ``_dropout.dropout_mm``), else
+    ``NotImplemented``: the caller then makes the dropout with this seed itself."""
+    if not (0.0 < p < 1.0 and _linear_form(x, weight, bias)
+            and usable((x.shape[0], weight.shape[0]),
+                       *((x, weight) if bias is None else (x, weight, bias)))
+            and _dropout.dropout_mm_applies(x, weight.t())):
+        return NotImplemented
+    return _DropoutLinear.apply(x, float(p), int(seed), weight, bias)
+
+
 def _side_by_side(gs, idx):
     """The gradients ``gs[i]`` of Linears ``i in idx`` as one [N, sum out] tensor (the one
     gradient itself for a single Linear)."""

@@ -23,7 +23,8 @@ import torch
 from numba import njit, prange
 
 from ._cpu.fastmath import _vexp
-from ._gemm import _JT, _KT, _block_products
+from . import _gemm
+from ._gemm import _JT, _KT, ROWS, _block_products, _rows_product
 from ._outcache import CACHE as _CACHE
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -246,6 +247,67 @@ def _dropout_block(src, buf, base, seed, threshold, scale):
     ub = np.uint64(base)
     for i in range(src.shape[0]):
         buf[i] = src[i] * (scale if _keep(seed, ub + np.uint64(i), threshold) else zero)
+
+
+# -- a Linear on a dropout, the dropout made in its blocks -----------------------------------------
+@njit(parallel=True, cache=True, nogil=True)
+def _dropout_mm_kernel(x, wt, bias, out, keep, seed, threshold, scale, nthreads):
+    """``out = dropout(x) @ wt + bias`` (``bias`` empty for none) with the dropout's keep flags
+    written to ``keep`` (uint8 [N * K]): a block of ``kernels._gemm.ROWS`` rows at a time, the
+    block's dropout made in a buffer in L1 / L2 (``_dropout_mask_kernel``'s flags and values)
+    and its product taken from there in ``kernels._gemm``'s register tiles. ``x`` [N, K]
+    C-contiguous; threads take consecutive runs of blocks."""
+    n, kin = x.shape
+    one = np.float32(1.0)
+    nb = (n + ROWS - 1) // ROWS
+    per = (nb + nthreads - 1) // nthreads
+    flat = x.reshape(n * kin)
+    for t in prange(nthreads):
+        buf = np.empty(ROWS * kin, x.dtype)
+        for b in range(t * per, min(nb, (t + 1) * per)):
+            r0 = b * ROWS
+            m = min(ROWS, n - r0)
+            a = r0 * kin
+            _flag_block(flat[a:a + m * kin], buf, keep[a:a + m * kin], a, seed, threshold,
+                        scale)
+            _rows_product(buf.reshape((ROWS, kin)), 0, wt, out, r0, m, bias, one)
+
+
+@njit(inline="always")
+def _flag_block(src, buf, keep, base, seed, threshold, scale):
+    """:func:`_dropout_block` that also writes each element's keep flag (1 kept, 0 dropped)."""
+    zero = scale - scale
+    ub = np.uint64(base)
+    for i in range(src.shape[0]):
+        k = _keep(seed, ub + np.uint64(i), threshold)
+        keep[i] = k
+        buf[i] = src[i] * (scale if k else zero)
+
+
+def dropout_mm_applies(x: torch.Tensor, wt: torch.Tensor) -> bool:
+    """Whether :func:`dropout_mm` takes ``dropout(x) @ wt``: where ``kernels._gemm.mm`` would
+    take the product (float32, many rows, ``wt``'s width a multiple of 8) and ``x`` is
+    C-contiguous."""
+    with torch.no_grad():
+        return x.is_contiguous() and _gemm.applies(x, wt)
+
+
+def dropout_mm(x: torch.Tensor, p: float, seed: int, wt: torch.Tensor,
+               bias: torch.Tensor | None = None):
+    """``(dropout(x, p, seed) @ wt + bias, keep)`` without the dropout as a tensor, where
+    :func:`dropout_mm_applies`: the same bits as :func:`dropout`'s output multiplied by
+    ``kernels._gemm.mm`` (the same values in the same tiles), and the dropout's keep flags
+    (uint8 numpy [x.numel()], as :func:`mask_of` gives them) for the weight gradient
+    (:func:`weight_grads`)."""
+    xc = x.detach()
+    n = xc.shape[0]
+    out = _CACHE.empty((n, wt.shape[1]), xc.dtype)
+    keep = _CACHE.empty_numpy((xc.numel(),), np.uint8)
+    seed_, threshold, scale = _kernel_args(p, seed, xc.dtype)
+    b = np.zeros(0, np.float32) if bias is None else bias.detach().contiguous().numpy()
+    _dropout_mm_kernel(xc.numpy(), wt.detach().contiguous().numpy(), b, out.numpy(), keep,
+                       seed_, threshold, scale, numba.get_num_threads())
+    return out, keep
 
 
 @njit(inline="always")

@@ -114,12 +114,27 @@ class GCNConv(Conv):
             return False
         return g.self_loop_edges().numel() == 0
 
-    def _fused(self, g: Graph, x: torch.Tensor) -> torch.Tensor:
+    def _forward_dropped(self, g: Graph, x: torch.Tensor, p: float, seed: int,
+                         edge_weight: torch.Tensor | None = None):
+        """``forward(g, dropout(x, p, seed))`` with the dropout made inside ``W x``
+        (``kernels._dense.dropout_linear``), where the fused path and that kernel apply; else
+        NotImplemented (see ``ngra.nn.models._input_layer``)."""
+        from kernels import _dense
+
+        if not self._fusable(g, x, edge_weight) or _dense._hooked(self.lin):
+            return NotImplemented
+        h = _dense.dropout_linear(x, p, seed, self.lin.weight)
+        if h is NotImplemented:
+            return NotImplemented
+        return self._fused(g, x, h)
+
+    def _fused(self, g: Graph, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         """The vertex program's value through ``kernels.gspmm_norm``: ``W x`` then, in one pass,
         ``D^-1/2 (A + I) D^-1/2 (W x) + b``; backward is the same kernel on the transposed CSR.
         The program path keeps three more [N, F] tensors per call (the scaled source rows, the
         self-loop sum, the scaled sum) and as many in backward. Timed as a Gather node by
-        ``ngra.profile.stages()``."""
+        ``ngra.profile.stages()``. ``h``: ``W x`` already made (by :meth:`_forward_dropped`, of
+        x's dropout; ``x`` is then only checked)."""
         import kernels
         from kernels import _dense
 
@@ -132,7 +147,8 @@ class GCNConv(Conv):
             deg = deg + 1
             loop = torch.ones(g.num_nodes, dtype=x.dtype)
         dinv = inv_or_zero(deg, 0.5)
-        h = _dense.call_module(self.lin, x)  # W x in the kernels' output cache
+        if h is None:  # (given: W x of x's dropout, by _forward_dropped)
+            h = _dense.call_module(self.lin, x)  # W x in the kernels' output cache
 
         return run_one_kernel(self, lambda: kernels.gspmm_norm(g.in_csr(), h, dinv, dinv, loop,
                                                                self.bias))

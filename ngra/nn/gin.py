@@ -90,10 +90,26 @@ class GINConv(Conv):
         return (self.fuse and not self.eps.requires_grad and one_kernel_applies(self, g, x)
                 and self.eps.dtype == x.dtype)
 
-    def _fused(self, g: Graph, x: torch.Tensor) -> torch.Tensor:
+    def _forward_dropped(self, g: Graph, x: torch.Tensor, p: float, seed: int):
+        """``forward(g, dropout(x, p, seed))`` with the dropout made inside the first Linear
+        (``kernels._dense.dropout_linear``), where the fused path applies and ``nn`` starts with
+        a narrowing Linear; else NotImplemented (see ``ngra.nn.models._input_layer``)."""
+        from kernels import _dense
+
+        lin = self._first_linear
+        if lin is None or not self._fusable(g, x) or _dense._hooked(lin):
+            return NotImplemented
+        h = _dense.dropout_linear(x, p, seed, lin.weight)
+        if h is NotImplemented:
+            return NotImplemented
+        return self._fused(g, x, h)
+
+    def _fused(self, g: Graph, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         """The vertex program's value through ``kernels.gspmm_norm``: the projection first (when
         ``nn`` starts with a narrowing Linear), then ``(1 + eps) h_i + sum_j h_j (+ b)`` in one
-        pass, then the rest of ``nn``. Timed as a Gather node by ``ngra.profile.stages()``."""
+        pass, then the rest of ``nn``. Timed as a Gather node by ``ngra.profile.stages()``.
+        ``h``: the projection already made (by :meth:`_forward_dropped`, of x's dropout; ``x`` is
+        then only checked)."""
         import kernels
         from kernels import _dense
 
@@ -101,7 +117,8 @@ class GINConv(Conv):
         check_graph(where, g)
         check_features(where, x, g, None)
         lin = self._first_linear
-        h = x if lin is None else _dense.linear(x, lin.weight)  # W x in the output cache
+        if h is None:
+            h = x if lin is None else _dense.linear(x, lin.weight)  # W x in the output cache
         self_weight = (1 + self.eps).expand(g.num_nodes)
         bias = None if lin is None else lin.bias
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from kernels import _dense
 from kernels import _dropout as _fast_dropout
 
 from ._utils import check_int, check_prob
@@ -55,6 +56,24 @@ def _act_dropout(x: torch.Tensor, activation: str, p: float, training: bool, g=N
     return _dropout(_ACTIVATIONS[activation](x), p, training, g)
 
 
+def _input_layer(layer, g, x: torch.Tensor, p: float, training: bool, kwargs: dict):
+    """``layer(g, _dropout(x, p, training, g), **kwargs)``. A layer with a
+    ``_forward_dropped(g, x, p, seed, **kwargs)`` method (GCN's, GIN's: their first op is a
+    Linear on ``x``) may take the dropout into that Linear (``kernels._dense.dropout_linear``:
+    no [N, F] tensor for the dropout of the input features); it returns NotImplemented where it
+    does not, and the dropout is then made with the seed drawn here: the same seed, mask and
+    values either way."""
+    take = getattr(layer, "_forward_dropped", None)
+    if (take is None or not training or not 0.0 < p < 1.0 or not _fast_dropout.supported(x)
+            or getattr(g, "global_ids", None) is not None or _dense._hooked(layer)):
+        return layer(g, _dropout(x, p, training, g), **kwargs)
+    seed = int(torch.randint(0, 1 << 62, (1,)).item())  # as _dropout draws it
+    out = take(g, x, p, seed, **kwargs)
+    if out is NotImplemented:
+        out = layer(g, _fast_dropout.dropout(x, p, seed), **kwargs)
+    return out
+
+
 _ACTIVATIONS = {"relu": F.relu, "elu": F.elu, "identity": lambda x: x}
 
 
@@ -94,7 +113,7 @@ class GNN(torch.nn.Module):
             # the activation after a layer and the dropout before the next: one op for ReLU,
             # whose backward the next layer's first Linear (or GIN's sum) can take into its own
             if i == 0:
-                x = layer(g, _dropout(x, self.dropout, self.training, g), **kwargs)
+                x = _input_layer(layer, g, x, self.dropout, self.training, kwargs)
                 continue
             h = _act_dropout(x, self.activation, self.dropout, self.training, g, fusable=offer)
             del x  # the ReLU's backward reads only h (x is held by h's offer until taken or forgotten)

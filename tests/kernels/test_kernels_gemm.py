@@ -208,3 +208,77 @@ def test_blocked_mlp_falls_back_where_the_tiles_do_not_apply(monkeypatch):
     monkeypatch.setattr(_gemm, "MIN_ROWS", 65)
     with torch.no_grad():
         assert not _gemm.mlp_applies(x, w, torch.zeros(16, 64))  # too few rows
+
+
+# -- a Linear on a dropout, the dropout made inside the product (kernels._dropout.dropout_mm) -----
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 5, 8), (97, 40, 24), (301, 128, 64)])
+def test_dropout_mm_is_the_product_of_the_dropout(monkeypatch, shape, bias):
+    """The same bits as ``dropout`` then ``_gemm.mm`` (the same tiles on the same values), the
+    dropout's own keep flags, and within the float64 bound of the dense product."""
+    monkeypatch.setattr(_gemm, "MIN_ROWS", 1)
+    n, k, j = shape
+    gen = torch.Generator().manual_seed(n + k)
+    x, wt = torch.randn(n, k, generator=gen), torch.randn(k, j, generator=gen)
+    b = torch.randn(j, generator=gen) if bias else None
+    assert _dropout.dropout_mm_applies(x, wt)
+    out, keep = _dropout.dropout_mm(x, 0.3, 1234, wt, b)
+    xd = _dropout.dropout(x, 0.3, 1234)
+    assert torch.equal(torch.from_numpy(keep.copy()), torch.from_numpy(_dropout.mask_of(xd).copy()))
+    assert bool(((xd != 0) == torch.from_numpy(keep.copy()).view(n, k).bool()).all())
+    with torch.no_grad():
+        assert torch.equal(out, _gemm.mm(xd, wt, torch.empty(n, j), b))
+    _check(out, xd.double() @ wt.double() + (b.double() if bias else 0.0),
+           _bound(xd, wt, b.double().abs() if bias else 0.0))
+
+
+def test_dropout_mm_applies_only_where_the_tiles_do(monkeypatch):
+    x, wt = torch.randn(100, 16), torch.randn(16, 8)
+    assert not _dropout.dropout_mm_applies(x, wt)  # too few rows for the tiles
+    monkeypatch.setattr(_gemm, "MIN_ROWS", 1)
+    assert _dropout.dropout_mm_applies(x, wt)
+    assert not _dropout.dropout_mm_applies(x, torch.randn(16, 12))  # 12 columns: not 8k
+    assert not _dropout.dropout_mm_applies(x.t().contiguous().t(), wt)  # not C-contiguous
+    assert not _dropout.dropout_mm_applies(x.double(), wt.double())
+
+
+@pytest.mark.parametrize("x_grad", [False, True])
+def test_dropout_linear_equals_the_dropout_then_the_linear(monkeypatch, x_grad):
+    """``_dense.dropout_linear``: forward and every gradient bit for bit those of ``dropout``
+    followed by the cached Linear (same seed), which the tests above hold to float64."""
+    monkeypatch.setattr(_gemm, "MIN_ROWS", 1)
+    gen = torch.Generator().manual_seed(9)
+    n, k, j = 4100, 72, 64  # a result of >= 1 MiB: the cached path
+    x0 = torch.randn(n, k, generator=gen)
+    w0, b0 = torch.randn(j, k, generator=gen), torch.randn(j, generator=gen)
+    g = torch.randn(n, j, generator=gen)
+    runs = []
+    kernel = _dropout._dropout_mm_kernel
+    monkeypatch.setattr(_dropout, "_dropout_mm_kernel", lambda *a: runs.append(1) or kernel(*a))
+
+    def grads(fused):
+        x = x0.clone().requires_grad_(x_grad)
+        w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+        out = (_dense.dropout_linear(x, 0.5, 77, w, b) if fused
+               else _dense.linear(_dropout.dropout(x, 0.5, 77), w, b))
+        wrt = [w, b] + ([x] if x_grad else [])
+        return [out.detach()] + list(torch.autograd.grad(out, wrt, g))
+
+    got, want = grads(True), grads(False)
+    assert runs == [1]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    xd = _dropout.dropout(x0, 0.5, 77)
+    _check(got[1], g.double().t() @ xd.double(), _bound(g.t(), xd))
+
+
+def test_dropout_linear_declines_what_it_does_not_take(monkeypatch):
+    x, w = torch.randn(5000, 32), torch.randn(64, 32)  # a result of >= 1 MiB
+    assert _dense.dropout_linear(x, 0.5, 1, w) is NotImplemented  # too few rows for the tiles
+    monkeypatch.setattr(_gemm, "MIN_ROWS", 1)
+    assert _dense.dropout_linear(x, 0.5, 1, w) is not NotImplemented
+    assert _dense.dropout_linear(x, 0.0, 1, w) is NotImplemented
+    assert _dense.dropout_linear(x, 1.0, 1, w) is NotImplemented
+    assert _dense.dropout_linear(x, 0.5, 1, torch.randn(60, 32)) is NotImplemented  # 60 outputs
+    assert _dense.dropout_linear(x, 0.5, 1, torch.randn(64, 31)) is NotImplemented  # widths
+    assert _dense.dropout_linear(x[:100], 0.5, 1, w) is NotImplemented  # a result under 1 MiB

@@ -143,3 +143,52 @@ def test_input_dropout_on_a_workers_piece_is_made_again_for_the_linear(monkeypat
     assert made == [True]
     want, = torch.autograd.grad(F.linear(ref, w), w, g)
     torch.testing.assert_close(gw, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gcn", "gin"])
+def test_input_dropout_made_inside_the_first_linear(monkeypatch, name):
+    """GCN's and GIN's first layer take the model's input dropout into their first Linear
+    (``kernels._dense.dropout_linear``, through ``_forward_dropped``): the model's output and
+    every gradient are those of the dropout made first (the same seed drawn), bit for bit."""
+    import ngra
+    from kernels import _dense, _gemm
+    from ngra.nn import GCNConv, GINConv
+
+    monkeypatch.setattr(_gemm, "MIN_ROWS", 1)  # the tiles on a test-sized graph
+    monkeypatch.setattr(_dense, "MIN_BYTES", 0)
+    g = ngra.datasets.rmat(num_nodes=3000, num_edges=30000, seed=1).remove_self_loops()
+    x = torch.randn(3000, 40, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = build_model(name, 40, 16, 8)
+    calls = []
+    real = _dense.dropout_linear
+    monkeypatch.setattr(_dense, "dropout_linear", lambda *a: calls.append(1) or real(*a))
+
+    def run():
+        torch.manual_seed(5)
+        out = model(g, x)
+        return [out.detach()] + list(torch.autograd.grad(out.square().sum(),
+                                                         list(model.parameters())))
+
+    fused = run()
+    assert len(calls) == 1
+    cls = GCNConv if name == "gcn" else GINConv
+    monkeypatch.setattr(cls, "_forward_dropped", lambda self, *a, **k: NotImplemented)
+    unfused = run()
+    assert len(calls) == 1
+    for a, b in zip(fused, unfused):
+        assert torch.equal(a, b)
+
+
+def test_input_dropout_stays_apart_for_a_hooked_layer(monkeypatch):
+    """A forward hook on the first layer still runs: that layer gets the dropout as a tensor."""
+    from kernels import _dense, _gemm
+
+    monkeypatch.setattr(_gemm, "MIN_ROWS", 1)
+    monkeypatch.setattr(_dense, "MIN_BYTES", 0)
+    g = make_graph("random")
+    model = build_model("gcn", 6, 8, 3)
+    seen = []
+    model.layers[0].register_forward_hook(lambda m, args, out: seen.append(args[1].shape))
+    model(g, torch.randn(g.num_nodes, 6))
+    assert seen == [(g.num_nodes, 6)]
