@@ -46,7 +46,10 @@ ngra`` sets) and glibc's default allocator settings.
   epochs (``AnonHugePages``; the CSV also has the kernel's THP modes, ``thp``), the 2 MiB pages
   torch and the output cache ask for: one GraphSAGE worker in nineteen at the same commit
   peaked 0.6 GiB above the others, with 0.6 GiB more in huge pages at the end (not explained;
-  ``benchmarks/README.md``).
+  ``benchmarks/README.md``). So each worker's line is followed by its largest mappings at the
+  end (resident and mapped size, the resident part in huge pages; ``/proc/self/smaps``) and, for
+  ngra, what its kernels' output cache held and had in use (at the end and at the peak): where a
+  worker's extra memory sits.
 - **Roofline**: the epoch's dense GEMM FLOPs (forward, and backward's weight and input gradients;
   the first layer needs no input gradient) at the GEMM rate measured here (best ``torch.mm`` of
   ``[N, 128] x [128, 64]``), plus the fused graph kernels' traffic at the measured copy bandwidth
@@ -128,6 +131,28 @@ def _anon_huge_pages():
         return _proc_bytes("/proc/self/smaps_rollup", "AnonHugePages")
     except OSError:
         return None
+
+
+def _largest_mappings(k=4):
+    """The worker's ``k`` largest mappings by resident size now, ``[size, rss, anon_huge]`` in
+    bytes each (from ``/proc/self/smaps``), or None where the kernel does not say: which
+    mapping holds the memory of a worker that peaked higher than its twins."""
+    rows, cur = [], None
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    a, b = (int(v, 16) for v in head.split("-"))
+                    cur = [b - a, 0, 0]
+                    rows.append(cur)
+                elif head == "Rss:" and cur is not None:
+                    cur[1] = int(line.split()[1]) * 1024
+                elif head == "AnonHugePages:" and cur is not None:
+                    cur[2] = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return sorted(rows, key=lambda r: -r[1])[:k]
 
 
 def _thp_mode():
@@ -291,7 +316,12 @@ def worker(spec_path):
     rec = dict(best, epochs=[e["epoch"] for e in epochs], loss=losses[0], loaded=loaded,
                epoch_peak=hwm - loaded, peak_rss=max(hwm_warmup, hwm),
                ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-               huge_pages=_anon_huge_pages(), thp=_thp_mode(), torch=torch.__version__)
+               huge_pages=_anon_huge_pages(), thp=_thp_mode(), torch=torch.__version__,
+               largest_mappings=_largest_mappings())
+    if spec["framework"] == "ngra":
+        from kernels._outcache import CACHE
+        rec.update(cache_held=CACHE.cached, cache_in_use=CACHE.in_use,
+                   cache_in_use_peak=CACHE.in_use_peak)
     if rates is not None:
         rec.update(worker_gemm_rate=rates["gemm_rate"], worker_copy_rate=rates["copy_rate"])
     Path(spec["out"]).write_text(json.dumps(rec))
@@ -421,6 +451,18 @@ def _dgl_available(python) -> str | None:
     return None if r.returncode == 0 else "dgl does not import: " + (r.stderr.strip().splitlines() or [""])[-1]
 
 
+def _memory_line(r) -> str:
+    """The worker's largest mappings at the end (resident / size GiB, the resident part in huge
+    pages) and, for ngra, what its output cache held and had in use."""
+    maps = ", ".join(f"{_gib(rss)}/{_gib(size)} ({_gib(huge)} huge)"
+                     for size, rss, huge in r["largest_mappings"])
+    line = f"largest mappings {maps} GiB"
+    if "cache_held" in r:
+        line += (f"; output cache held {_gib(r['cache_held'])} GiB, in use "
+                 f"{_gib(r['cache_in_use'])} (peak {_gib(r['cache_in_use_peak'])})")
+    return line
+
+
 def _fmt_s(v):
     return "-" if v is None else (f"{v:.3f}" if v < 10 else f"{v:.1f}")
 
@@ -526,6 +568,9 @@ def main(argv=None):
                                 f"{r['worker_copy_rate'] / 1e9:.1f} GB/s")
                     tag = f" r{rnd}" if args.rounds > 1 else ""
                     print(f"  {MODELS[name]:9s} {fw:4s}{tag}: {msg}", flush=True)
+                    if r.get("largest_mappings"):
+                        print(f"  {'':9s} {fw:4s}{tag}  memory at the end: "
+                              + _memory_line(r), flush=True)
             recs = {fw: _median_run(rs) for fw, rs in runs.items()}
             if args.rounds > 1 and "ngra" in runs:
                 for fw in frameworks:
@@ -563,7 +608,7 @@ def main(argv=None):
                 "huge_pages", "thp", "loss", "best_roofline_s",
                 "roofline_s", "gemm_flops",
                 "graph_bytes", "gemm_rate", "copy_rate", "worker_roofline_s", "worker_gemm_rate",
-                "worker_copy_rate", "torch", "error"]
+                "worker_copy_rate", "cache_held", "cache_in_use_peak", "torch", "error"]
         w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(keys)), extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
