@@ -117,8 +117,6 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             if ctx.remat is None:
                 gw = _weight_grad(x, g)
-            elif torch.is_grad_enabled():  # create_graph: through the differentiable dropout
-                gw = _weight_grad(_dropout.recompute(x, *ctx.remat[1:]), g)
             else:
                 gw = _weight_grad_dropped(x, *ctx.remat[1:], g, ctx.mask)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -197,7 +195,10 @@ def _weight_grad_dropped(x: torch.Tensor, p: float, seed: int, rows, g: torch.Te
     product accumulated in row order: no [N, in] tensor (fresh pages, or a cached block held
     for it), its writes and reads in cache. The same sums as :func:`_weight_grad`'s GEMM in
     another grouping (equal up to rounding). ``mask``: the dropout's keep flags
-    (``_dropout.mask_of``), read instead of hashing each element again."""
+    (``_dropout.mask_of``), read instead of hashing each element again. Under grad mode (a
+    backward with ``create_graph=True``): the GEMM of the differentiable dropout made again."""
+    if torch.is_grad_enabled():
+        return _weight_grad(_dropout.recompute(x, p, seed, rows), g)
     return _weight_grads_dropped(x, p, seed, rows, [g], mask)[0]
 
 
@@ -248,14 +249,12 @@ class _DropoutLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
         gx = gw = gb = None
-        if need[0]:
-            gx = _dropout.recompute(_mm(g, weight), ctx.p, ctx.seed) \
-                if torch.is_grad_enabled() else _dropout._apply(_mm(g, weight), ctx.p, ctx.seed)
+        if need[0]:  # the dropout's backward of g W (differentiable under create_graph)
+            gm = _mm(g, weight)
+            gx = (_dropout.recompute(gm, ctx.p, ctx.seed) if torch.is_grad_enabled()
+                  else _dropout._apply(gm, ctx.p, ctx.seed))
         if need[3]:
-            if torch.is_grad_enabled():  # create_graph: through the differentiable dropout
-                gw = _weight_grad(_dropout.recompute(x, ctx.p, ctx.seed), g)
-            else:
-                gw = _weight_grad_dropped(x, ctx.p, ctx.seed, None, g, ctx.keep)
+            gw = _weight_grad_dropped(x, ctx.p, ctx.seed, None, g, ctx.keep)
         if ctx.has_bias and need[4]:
             gb = g.sum(0)
         return gx, None, None, gw, gb

@@ -282,3 +282,25 @@ def test_dropout_linear_declines_what_it_does_not_take(monkeypatch):
     assert _dense.dropout_linear(x, 0.5, 1, torch.randn(60, 32)) is NotImplemented  # 60 outputs
     assert _dense.dropout_linear(x, 0.5, 1, torch.randn(64, 31)) is NotImplemented  # widths
     assert _dense.dropout_linear(x[:100], 0.5, 1, w) is NotImplemented  # a result under 1 MiB
+
+
+def test_dropout_linear_double_backward(monkeypatch):
+    """create_graph: gradients through ``dropout_linear`` are differentiable and equal those
+    through ``dropout`` then the cached Linear: first order bit for bit, second order up to
+    float32 rounding (the two graphs sum in other orders)."""
+    monkeypatch.setattr(_gemm, "MIN_ROWS", 1)
+    gen = torch.Generator().manual_seed(11)
+    x0, w0 = torch.randn(4100, 40, generator=gen), torch.randn(64, 40, generator=gen)
+
+    def grads(fused):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = (_dense.dropout_linear(x, 0.5, 3, w) if fused
+               else _dense.linear(_dropout.dropout(x, 0.5, 3), w))
+        gx, gw = torch.autograd.grad(out.square().sum(), (x, w), create_graph=True)
+        return [gx, gw] + list(torch.autograd.grad(gx.sum() + gw.square().sum(), (x, w)))
+
+    got, want = grads(True), grads(False)
+    for a, b in zip(got[:2], want[:2]):
+        assert torch.equal(a, b)
+    for a, b in zip(got[2:], want[2:]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
