@@ -324,11 +324,23 @@ class _ReluDropoutLinear(torch.autograd.Function):
         need = ctx.needs_input_grad
         live = [i for i, g in enumerate(gs) if g is not None]
         grads = [None] * len(need)
+        wanted = [i for i in live if need[3 + 2 * i]]
         if need[0] and live:
             gc = _side_by_side(gs, live)
             w = ws[live[0]] if len(live) == 1 else torch.cat([ws[i] for i in live])
             if torch.is_grad_enabled():  # create_graph: torch's differentiable ops
                 grads[0] = gc.mm(w).mul(ctx.scale) * (a > 0).to(gc.dtype)
+            elif wanted and _together(a, w, gc):
+                # z's gradient, the weight gradients and the bias sums in one pass over a and g
+                grads[0] = _CACHE.empty(tuple(a.shape), gc.dtype)
+                _, _, _, gw, gb = _rows_gemm.mlp_backward(
+                    a, None, a, w, gc, grads[0], (True, False, False, True, True), ctx.scale)
+                for i, gwi, gbi in zip(live, _cut_rows(gw, gs, live), _cut_rows(gb, gs, live)):
+                    if need[3 + 2 * i]:
+                        grads[3 + 2 * i] = gwi
+                    if ctx.has_bias[i] and need[4 + 2 * i]:
+                        grads[4 + 2 * i] = gbi
+                return tuple(grads)
             elif _rows_gemm.applies(gc, w):  # the mask and scale in the tiles' epilogue
                 grads[0] = _rows_gemm.mm_relu_grad(gc, w, a, ctx.scale,
                                                    _CACHE.empty(tuple(a.shape), gc.dtype))
@@ -342,7 +354,6 @@ class _ReluDropoutLinear(torch.autograd.Function):
                     ga = torch.mm(gc[r0:r1], w, out=buf[:r1 - r0]).mul_(ctx.scale)
                     torch.ops.aten.threshold_backward.grad_input(ga, a[r0:r1], 0,
                                                                  grad_input=gz[r0:r1])
-        wanted = [i for i in live if need[3 + 2 * i]]
         if wanted:  # one weight-gradient GEMM over a, cut into the Linears' rows
             gw = _cut_rows(_weight_grad(a, _side_by_side(gs, wanted)), gs, wanted)
             for i, t in zip(wanted, gw):
@@ -358,6 +369,16 @@ class _ReluDropoutLinear(torch.autograd.Function):
 # scratch script, 2026-11-28): one Linear to 16 features 177 -> 141 ms (0.80), 32 0.85, 48 0.86,
 # 64 0.87; two to 16 each 229 -> 200 (0.87); to 64 + 16, 405 -> 412 (1.02).
 RELU_LINEAR_MAX_WIDTH = 64
+
+
+def _together(a, w, gc):
+    """Whether :class:`_ReluDropoutLinear`'s backward takes z's gradient and the weight and bias
+    gradients in one pass (``kernels._gemm.mlp_backward``, the weight-gradient products in
+    register tiles of 16 columns of ``gc``): many float32 rows, widths multiples of 8, ``gc``'s
+    of 16. Backward of one Linear [1M, 64] -> 16 (scratch timing, 9 rounds taking turns,
+    2026-11-29): 127 ms for the tiles' input gradient, MKL's ``a^T g`` and ``g.sum(0)``, 93 in
+    one pass."""
+    return _rows_gemm.mlp_applies(a, None, w) and gc.shape[1] % _rows_gemm._JT == 0
 
 
 def _offered(x, width):

@@ -216,14 +216,25 @@ def _mlp_kernel(x, w1t, b1, h, w2t, b2, out, first, nthreads):
             _rows_product(abuf, 0, w2t, out, r0, m, b2, one)
 
 
+@njit(inline="always")
+def _bounds(width):
+    """``[0, width]``: one product's column bounds for :func:`_block_products` (written out:
+    numba 0.68's inlining of two constant ``np.array([...])`` in one kernel fails to compile,
+    "key already in dictionary: '$np_g_var.1'")."""
+    b = np.zeros(2, np.int64)
+    b[1] = width
+    return b
+
+
 @njit(parallel=True, cache=True, nogil=True)
-def _mlp_backward_kernel(x, w1, h, w2, g, gx, first, need_x, need_w1, need_b1, need_w2,
+def _mlp_backward_kernel(x, w1, h, w2, g, gx, scale, first, need_x, need_w1, need_b1, need_w2,
                          need_b2, nthreads):
     """The gradients of :func:`_mlp_kernel`'s ``out`` given ``g``, a block of rows at a time:
     the block's ReLU made again from ``h``, the second Linear's weight-gradient products and bias
     sums, the hidden gradient ``(g w2)`` masked where the ReLU output is not positive (in a
     buffer: never stored), from it the first Linear's weight-gradient products, bias sums and
-    ``gx = gh w1`` (not ``first``: ``gx`` is the masked hidden gradient itself). Weight and bias
+    ``gx = gh w1`` (not ``first``: ``gx`` is the masked hidden gradient itself, times ``scale``:
+    a dropout's, where ``h`` is a ReLU + dropout's output). Weight and bias
     gradients are float64 sums per thread, returned summed over threads: ``(gw1 [hidden, in],
     gb1, gw2 [out, hidden], gb2)``."""
     n, hidden = h.shape
@@ -234,8 +245,8 @@ def _mlp_backward_kernel(x, w1, h, w2, g, gx, first, need_x, need_w1, need_b1, n
     ab1 = np.zeros((nthreads, hidden))
     aw2 = np.zeros((nthreads, width, hidden) if need_w2 else (nthreads, 0, 0))
     ab2 = np.zeros((nthreads, width))
-    off1 = np.array([0, kin])
-    off2 = np.array([0, hidden])
+    off1 = _bounds(kin)
+    off2 = _bounds(hidden)
     nb = (n + ROWS - 1) // ROWS
     per = (nb + nthreads - 1) // nthreads
     for t in prange(nthreads):
@@ -253,7 +264,7 @@ def _mlp_backward_kernel(x, w1, h, w2, g, gx, first, need_x, need_w1, need_b1, n
             if not need_h:
                 continue
             if not first:  # x's gradient is the masked hidden one (the mask from x itself)
-                _rows_product(g, r0, w2, gx, r0, m, h, one)
+                _rows_product(g, r0, w2, gx, r0, m, h, scale)
                 continue
             _rows_product(g, r0, w2, ghbuf, 0, m, abuf, one)
             if need_w1:  # gh^T x
@@ -292,10 +303,12 @@ def mlp_forward(x, w1, b1, w2, b2, h, out):
     return out
 
 
-def mlp_backward(x, w1, h, w2, g, gx, needs):
+def mlp_backward(x, w1, h, w2, g, gx, needs, scale=1.0):
     """:func:`mlp_forward`'s gradients ``(gx, gw1, gb1, gw2, gb2)`` for the output gradient
     ``g`` (made contiguous), ``needs`` = autograd's ``needs_input_grad`` for ``(x, w1, b1, w2,
     b2)``; ``gx`` the contiguous float32 buffer for x's gradient (None when not needed).
+    ``scale`` (``w1`` None only): x's gradient times it where ``x > 0``, the backward of
+    ``relu(dropout(z))`` given its output ``x`` and the dropout's ``1 / (1 - p)``.
     Weight and bias gradients are float64 sums rounded to float32 (equal to torch's up to
     rounding); None where not needed."""
     need_x, need_w1, need_b1, need_w2, need_b2 = (bool(v) for v in needs)
@@ -305,7 +318,8 @@ def mlp_backward(x, w1, h, w2, g, gx, needs):
     w1n = w1.detach().contiguous().numpy() if first else _NO_W
     gxn = gx.detach().numpy() if need_x else _NO_W
     aw1, ab1, aw2, ab2 = _mlp_backward_kernel(
-        xn, w1n, h.detach().numpy(), w2.detach().contiguous().numpy(), gc.numpy(), gxn, first,
+        xn, w1n, h.detach().numpy(), w2.detach().contiguous().numpy(), gc.numpy(), gxn,
+        np.float32(scale), first,
         need_x, need_w1 and first, need_b1 and first, need_w2, need_b2, numba.get_num_threads())
 
     def f32(a, want):

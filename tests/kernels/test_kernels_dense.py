@@ -586,6 +586,46 @@ def test_linear_of_a_fusable_relu_dropout_takes_its_backward(dtype, out_features
         _close(a, c)
 
 
+@pytest.mark.parametrize("out_features,bias,linears,used", [
+    (64, True, 1, (0,)), (16, False, 1, (0,)), (16, True, 2, (0, 1)), (16, True, 2, (1,))])
+def test_relu_dropout_linear_backward_in_one_pass(out_features, bias, linears, used,
+                                                  monkeypatch):
+    """Where ``kernels._gemm`` takes the rows (its row floor lowered here), z's gradient and the
+    weight and bias gradients of the Linears on ``relu_dropout(z)`` come from one pass
+    (``_gemm.mlp_backward``), equal to the separate ops' (z's to the bit for one Linear; for two
+    side by side, and the parameters' gradients, up to rounding), with an output left unused,
+    a bias or none."""
+    from kernels import _gemm
+    _dropout, z = _relu_dropped(torch.float32, rows=3 * _gemm.ROWS + 17)
+    monkeypatch.setattr(_dense, "usable", lambda *a: True)
+    monkeypatch.setattr(_gemm, "MIN_ROWS", 64)
+    calls = []
+    real = _gemm.mlp_backward
+    monkeypatch.setattr(_gemm, "mlp_backward", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(28)
+    w0, b0, w1, b1 = _leaves(gen, torch.float32, (out_features, 64), (out_features,),
+                             (16, 64), (16,))
+    pairs = [(w0, b0 if bias else None), (w1, b1)][:linears]
+    gens = [torch.randn(z.shape[0], w.shape[0], generator=gen) for w, _ in pairs]
+    results = []
+    for fusable in (True, False):
+        h = _dropout.relu_dropout(z, 0.4, 77, fusable=fusable)
+        outs = (_dense.linear_group(h, *pairs) if fusable
+                else [F.linear(h, w, b) for w, b in pairs])
+        leaves = [z] + [t for i in used for t in pairs[i] if t is not None]
+        results.append(torch.autograd.grad([outs[i] for i in used], leaves,
+                                           [gens[i] for i in used]))
+    assert calls == [1]
+    got, want = results
+    if linears == 1:  # the same tiles as the separate input-gradient product
+        assert torch.equal(got[0], want[0])
+    else:  # one product over both gradients side by side against two summed
+        _close(got[0], want[0])
+    assert float(got[0].abs().sum()) > 0 and len(got) == len(want) > 1
+    for a, c in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5 * float(c.abs().max()))
+
+
 def test_fused_relu_dropout_linear_with_other_consumers_and_changes():
     """The output read by a Linear and by another op: z's gradient is the sum of both paths
     (relu_dropout's backward runs for the other one). An output changed in place before the

@@ -131,17 +131,28 @@ def test_cached_linear_takes_the_tiles_forward_and_backward(monkeypatch, bias):
     _check(x.grad, g.double() @ lin.weight.detach().double(), _bound(g, lin.weight.detach()))
 
 
-def test_linear_of_a_fusable_relu_dropout_masks_in_the_tiles(monkeypatch):
+@pytest.mark.parametrize("width", [16, 8])
+def test_linear_of_a_fusable_relu_dropout_masks_in_the_tiles(monkeypatch, width):
+    """Backward of a Linear on ``relu_dropout(z)``: 16 columns (a multiple of the weight
+    gradient's tile) in one pass with the weight gradient (``_mlp_backward_kernel``); 8 z's
+    gradient with the ReLU's mask in the product's tiles, the weight gradient apart."""
     calls = _counting(monkeypatch)
+    passes = []
+    one_pass = _gemm._mlp_backward_kernel
+    monkeypatch.setattr(_gemm, "_mlp_backward_kernel",
+                        lambda *a: passes.append(a[6]) or one_pass(*a))
     gen = torch.Generator().manual_seed(4)
-    z = torch.randn(16500, 64, generator=gen, requires_grad=True)  # a result of >= 1 MiB
-    w = torch.randn(16, 64, generator=gen, requires_grad=True)
+    z = torch.randn(16500 * 16 // width, 64, generator=gen, requires_grad=True)  # >= 1 MiB
+    w = torch.randn(width, 64, generator=gen, requires_grad=True)
     a = _dropout.relu_dropout(z, 0.5, 77, fusable=True)
     out = _dense.linear(a, w)
     _dropout.forget(a)
     g = torch.randn(out.shape, generator=gen)
     out.backward(g)
-    assert calls == [1, 2]  # the product, then z's gradient with the ReLU's mask
+    if width == 16:  # the product, then one pass with the dropout's scale
+        assert calls == [1] and passes == [2.0]
+    else:  # the product, then z's gradient with the ReLU's mask
+        assert calls == [1, 2] and passes == []
     ad = a.detach()
     gz = torch.where(ad > 0, (g.double() @ w.detach().double()) * 2.0, 0.0)
     _check(z.grad, gz, _bound(g, w.detach()) * 2.0)
