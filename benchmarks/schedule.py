@@ -75,13 +75,14 @@ def build(case: str, p: int, m: int):
     raise ValueError(case)
 
 
-def run_case(case: str, p: int, m: int, timeout_s: float) -> dict:
+def run_case(case: str, p: int, m: int, timeout_s: float | None, rlimit: int | None = None) -> dict:
     prob, instances = build(case, p, m)
     std = standard(prob)
     for s in std.values():
         check(s)
     t0 = time.monotonic()
-    res = tessel(prob, instances=instances, timeout_s=timeout_s, completion_timeout_s=timeout_s)
+    res = tessel(prob, instances=instances, timeout_s=timeout_s, completion_timeout_s=timeout_s,
+                 rlimit=rlimit)
     wall = time.monotonic() - t0
     check(res.schedule)
     by_kind = {}
@@ -184,8 +185,8 @@ def _ms(xs) -> list:
     return [round(1e3 * x, 2) for x in xs]
 
 
-def measured(quick: bool, timeout: float, placements, steps: int, lookaheads, ranks: int = 2,
-             vocab: int = 32) -> list:
+def measured(quick: bool, timeout: float | None, placements, steps: int, lookaheads, ranks: int = 2,
+             vocab: int = 32, rlimit: int | None = None) -> list:
     """On ``ranks`` gloo processes, per placement: calibrate the staged GPT twice, each stage
     timed on its own and inside the steps of a greedy schedule (the blocks of a real pipeline),
     build the pipeline problem from the second (median forward / backward per stage, ping-pong
@@ -245,12 +246,12 @@ def measured(quick: bool, timeout: float, placements, steps: int, lookaheads, ra
         unit = max(cal.unit(), max(cal.forward + cal.backward) / 30)
         t0 = time.monotonic()
         found = tessel(cal.problem(memory_limit=limit, unit=unit), instances=(1, 2),
-                       timeout_s=timeout)
+                       timeout_s=timeout, rlimit=rlimit)
         search_s = time.monotonic() - t0
         scheds = dict(standard(prob))
         try:
             assumed = tessel(unit_costs.with_memory_limit(limit), instances=(1, 2),
-                             timeout_s=timeout).schedule
+                             timeout_s=timeout, rlimit=rlimit).schedule
             scheds["Tessel (assumed 1/2)"] = simulate(prob, assumed.orders(),
                                                       policy="Tessel (assumed 1/2)")
         except ScheduleError as e:  # only a comparison: the run goes on without it
@@ -321,7 +322,11 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batches", type=int, default=None, help="default 2 x devices")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {CASES}")
     ap.add_argument("--timeout", type=float, default=None,
-                    help="solver seconds per phase (default 5 quick, 20 full)")
+                    help="solver seconds per phase (default 5 quick, 20 full; none with "
+                         "--rlimit)")
+    ap.add_argument("--rlimit", type=int, default=None,
+                    help="z3 resource units per solver check: the searches then find the same "
+                         "schedules on any machine, however loaded (e.g. 200000000)")
     ap.add_argument("--plot", type=Path, help="write Gantt charts (PNG) into this folder")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--measured", "--execute", action="store_true",
@@ -364,10 +369,12 @@ def main(argv=None) -> int:
         ap.error(f"--steps: expected >= 4 (2 warm-up rounds, then timed ones) (got {steps})")
     p = args.devices or (2 if args.quick else 4)
     m = args.micro_batches or 2 * p
-    timeout = args.timeout or (5.0 if args.quick else 20.0)
+    if args.rlimit is not None and args.rlimit < 1:
+        ap.error(f"--rlimit: expected a positive number of z3 resource units (got {args.rlimit})")
+    timeout = args.timeout or (None if args.rlimit else 5.0 if args.quick else 20.0)
     rows = []
     for case in cases:
-        rows.append(run_case(case, p, m, timeout))
+        rows.append(run_case(case, p, m, timeout, args.rlimit))
         print(f"  {case} done ({rows[-1]['search_s']:.1f} s)", flush=True)
     print(f"\nSimulated makespans (time units), {p} devices, {m} micro-batches; memory limit in "
           f"stage activations; every schedule checked")
@@ -403,7 +410,8 @@ def main(argv=None) -> int:
             print(f"wrote {out}")
     rows_exec = []
     if args.measured:
-        rows_exec = measured(args.quick, timeout, pls, steps, las, args.ranks, args.vocab)
+        rows_exec = measured(args.quick, timeout, pls, steps, las, args.ranks, args.vocab,
+                             rlimit=args.rlimit)
     if args.json:
         args.json.write_text(json.dumps({
             "simulated": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],

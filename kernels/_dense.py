@@ -234,8 +234,8 @@ class _DropoutLinear(torch.autograd.Function):
     """``F.linear(dropout(x, p, seed), weight, bias)`` with the dropout made a block of rows at a
     time inside the product (``kernels._dropout.dropout_mm``): no [N, in] tensor for it, its
     write and read back saved. Backward is :class:`_Linear`'s on a dropout it can make again:
-    the weight gradient from ``x`` and the keep flags, ``x``'s gradient the dropout (same mask)
-    of ``g W``. The same bits as the dropout followed by the cached Linear."""
+    the weight gradient from ``x`` and the keep flags, ``x``'s gradient the dropout of ``g W``
+    from the same flags. The same bits as the dropout followed by the cached Linear."""
 
     @staticmethod
     def forward(ctx, x, p, seed, weight, bias):
@@ -252,7 +252,7 @@ class _DropoutLinear(torch.autograd.Function):
         if need[0]:  # the dropout's backward of g W (differentiable under create_graph)
             gm = _mm(g, weight)
             gx = (_dropout.recompute(gm, ctx.p, ctx.seed) if torch.is_grad_enabled()
-                  else _dropout._apply(gm, ctx.p, ctx.seed))
+                  else _dropout.masked(gm, ctx.p, ctx.keep))
         if need[3]:
             gw = _weight_grad_dropped(x, ctx.p, ctx.seed, None, g, ctx.keep)
         if ctx.has_bias and need[4]:
@@ -303,11 +303,13 @@ class _ReluDropoutLinear(torch.autograd.Function):
     (``* scale`` where ``a > 0``, 0 elsewhere; where ``kernels._gemm`` applies, in its register
     tiles' epilogue, with no buffer), so that gradient [N, in] never goes to memory
     and relu_dropout's backward does not read it back: one pass over [N, in] less each way.
-    relu_dropout's own backward then runs only for ``a``'s other consumers. Forward, weight and
-    bias gradients are :class:`_LinearGroup`'s (``a`` is kept, as relu_dropout keeps it
-    anyway); ``z``'s gradient has the values of relu_dropout's backward of ``a``'s, except where
-    that is NaN or infinite at an element ``a`` is not positive: 0 here (as torch's ReLU),
-    ``grad * 0`` there."""
+    relu_dropout's own backward then runs only for ``a``'s other consumers. Forward is
+    :class:`_LinearGroup`'s (``a`` is kept, as relu_dropout keeps it anyway); where
+    :func:`_together` applies, the weight and bias gradients come from the same pass as ``z``'s
+    (``kernels._gemm.mlp_backward``), elsewhere from :class:`_LinearGroup`'s GEMM. ``z``'s
+    gradient has the values of relu_dropout's backward of ``a``'s, except where that is NaN or
+    infinite at an element ``a`` is not positive: 0 here (as torch's ReLU), ``grad * 0``
+    there."""
 
     @staticmethod
     def forward(ctx, z, a, scale, *wb):

@@ -178,6 +178,20 @@ def _masked_kernel(x, out, keep, scale):
         out[i] = x[i] * (scale if keep[i] else zero)
 
 
+def masked(x: torch.Tensor, p: float, keep) -> torch.Tensor:
+    """The dropout of ``x`` from the keep flags of one made with ``p`` (:func:`mask_of`,
+    :func:`dropout_mm`; uint8 numpy [x.numel()]): :func:`dropout`'s values with that seed, bit
+    for bit, without hashing each element again (a dropout's backward)."""
+    xc = x.detach().contiguous()
+    if keep.shape != (xc.numel(),):
+        raise ValueError(f"kernels._dropout.masked: {keep.shape} keep flags for a tensor of "
+                         f"{xc.numel()} elements; expected one flag per element")
+    out = _CACHE.empty(tuple(xc.shape), xc.dtype)
+    _masked_kernel(xc.numpy().reshape(-1), out.numpy().reshape(-1), keep,
+                   _scalar(1.0 / (1.0 - p), xc.dtype))
+    return out
+
+
 def chunks(x: torch.Tensor, p: float, seed: int, rows: torch.Tensor | None = None, mask=None):
     """``(r0, r1, rows r0:r1 of dropout(x, p, seed, rows))`` for consecutive row ranges of ``x``
     [N, F] covering it, each about ``CHUNK_BYTES``, made again in one reused buffer (valid until

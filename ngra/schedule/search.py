@@ -6,7 +6,12 @@ dependencies, a Boolean ``o_ab``: ``o_ab => s_a + d_a <= s_b`` and ``!o_ab => s_
 memory, for every block ``j`` with ``delta_j > 0`` on device ``d`` (the peak is reached right
 after such a block starts): ``base_d + delta_j + sum_{k on d, k before j} delta_k <= limit_d``;
 makespan ``T >= s_b + d_b``. We ask for a schedule with ``T <= bound - 1`` (durations are
-integers, so makespans are too) until the solver says no (``optimal``) or the time runs out.
+integers, so makespans are too) until the solver says no (``optimal``) or the limits run out.
+
+Limits: every search takes ``timeout_s`` (wall-clock seconds in all) and / or ``rlimit`` (z3
+resource units per solver check). z3 counts resources deterministically, so a search bounded by
+``rlimit`` alone finds the same schedule on every machine and under any load (for one z3
+build); one bounded by time finds what the machine had time for.
 
 Tessel, phase 1 (:func:`find_repetend`): a repetend covers ``r`` micro-batches; each block type
 ``j`` (a block of micro-batch 0, i.e. a stage's forward or backward) appears ``r`` times per
@@ -61,6 +66,50 @@ def _int_durations(problem: Problem) -> None:
         raise ValueError(f"the solver needs an integer comm_delay (got {problem.comm_delay!r})")
 
 
+class _Budget:
+    """A search's limits: ``timeout_s`` wall-clock seconds for the whole search (None: none) and
+    ``rlimit`` z3 resource units for each solver check (None: none). The resource count is
+    deterministic for a given z3 build, so a search under ``rlimit`` alone gives the same result
+    on every machine and under any load; under ``timeout_s`` it depends on the machine's
+    speed."""
+
+    def __init__(self, timeout_s, rlimit):
+        if timeout_s is None and rlimit is None:
+            raise ValueError("the search needs a limit: give timeout_s (seconds) or rlimit (z3 "
+                             "resource units per solver check), or both")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive seconds or None (got {timeout_s!r})")
+        if rlimit is not None and (isinstance(rlimit, bool) or not isinstance(rlimit, int)
+                                   or rlimit < 1):
+            raise ValueError(f"rlimit must be a positive int of z3 resource units or None (got "
+                             f"{rlimit!r})")
+        self.timeout_s, self.rlimit = timeout_s, rlimit
+        self.t0 = time.monotonic()
+
+    def spent(self) -> bool:
+        """Whether the wall-clock time is (all but) used up; never under ``rlimit`` alone."""
+        return self.timeout_s is not None and self.left() <= 0.01
+
+    def left(self) -> float:
+        return self.timeout_s - (time.monotonic() - self.t0)
+
+    def arm(self, solver) -> None:
+        """Set the solver's limits for its next check: what is left of the time, the rlimit."""
+        if self.timeout_s is not None:
+            solver.set("timeout", max(1, int(self.left() * 1000)))
+        if self.rlimit is not None:
+            solver.set("rlimit", self.rlimit)
+
+    def __str__(self) -> str:
+        parts = ([f"{self.timeout_s:g} s"] if self.timeout_s is not None else []) \
+            + ([f"rlimit {self.rlimit} per check"] if self.rlimit is not None else [])
+        return " and ".join(parts)
+
+    def larger(self) -> str:
+        return " or ".join((["a larger timeout_s"] if self.timeout_s is not None else [])
+                           + (["a larger rlimit"] if self.rlimit is not None else []))
+
+
 @dataclass(frozen=True)
 class ExactResult:
     """The best schedule found; ``optimal`` when the solver proved nothing shorter exists."""
@@ -71,9 +120,12 @@ class ExactResult:
     solver_calls: int
 
 
-def solve_exact(problem: Problem, *, timeout_s: float = 10.0, upper: Schedule | None = None,
-                fixed_orders=None, policy: str = "exact (z3)") -> ExactResult:
-    """The shortest schedule (see the module docstring), proved optimal unless time runs out.
+def solve_exact(problem: Problem, *, timeout_s: float | None = 10.0, upper: Schedule | None = None,
+                fixed_orders=None, policy: str = "exact (z3)",
+                rlimit: int | None = None) -> ExactResult:
+    """The shortest schedule (see the module docstring), proved optimal unless the limits run
+    out: ``timeout_s`` seconds in all and / or ``rlimit`` z3 resource units per solver check
+    (deterministic: the same result on any machine; see :class:`_Budget`).
 
     ``upper``: a known schedule to beat (also the answer if the solver finds nothing better in
     time). ``fixed_orders``: pairs ``(a, b)`` meaning ``a`` runs before ``b`` (a device's order
@@ -81,8 +133,9 @@ def solve_exact(problem: Problem, *, timeout_s: float = 10.0, upper: Schedule | 
     """
     z3 = _z3()
     _int_durations(problem)
+    budget = _Budget(timeout_s, rlimit)
     p = problem
-    t0 = time.monotonic()
+    t0 = budget.t0
     anc = p.ancestors()
     fixed = set(fixed_orders or ())
     s = {b.name: z3.Int(f"s_{b.name}") for b in p.blocks}
@@ -146,10 +199,9 @@ def solve_exact(problem: Problem, *, timeout_s: float = 10.0, upper: Schedule | 
     optimal = False
     calls = 0
     while bound >= lower:
-        left = timeout_s - (time.monotonic() - t0)
-        if left <= 0.01:
+        if budget.spent():
             break
-        solver.set("timeout", max(1, int(left * 1000)))
+        budget.arm(solver)
         solver.push()
         solver.add(T <= bound)
         calls += 1
@@ -170,8 +222,9 @@ def solve_exact(problem: Problem, *, timeout_s: float = 10.0, upper: Schedule | 
     else:
         optimal = best is not None  # the bound reached the lower bound
     if best is None:
-        raise ScheduleError(f"the solver found no schedule within {timeout_s:g} s (memory limit "
-                            f"{p.memory_limit}); expected a larger limit or time")
+        raise ScheduleError(f"the solver found no schedule within {budget} (memory limit "
+                            f"{p.memory_limit}); expected a larger memory limit, or "
+                            f"{budget.larger()}")
     seconds = time.monotonic() - t0
     sched = Schedule(p, dict(best.start), best.policy if best is upper and not
                      (optimal and calls) else policy, seconds)
@@ -235,9 +288,12 @@ def _template(problem: Problem):
     return types, names, len(mbs)
 
 
-def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float = 10.0,
-                  max_depth: int | None = None, candidates: int = 32) -> Repetend:
-    """The shortest-period repetend of ``instances`` micro-batches (module docstring).
+def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float | None = 10.0,
+                  max_depth: int | None = None, candidates: int = 32,
+                  rlimit: int | None = None) -> Repetend:
+    """The shortest-period repetend of ``instances`` micro-batches (module docstring), within
+    ``timeout_s`` seconds in all and / or ``rlimit`` z3 resource units per solver check (see
+    :func:`solve_exact`).
 
     Many repetends share the shortest period and the smallest depth, and their unrolled
     schedules differ (3 stages under a memory limit: 30 or 33 time units for the same period);
@@ -248,8 +304,9 @@ def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float = 10
         raise ValueError(f"candidates must be at least 1 (got {candidates!r})")
     z3 = _z3()
     _int_durations(problem)
+    budget = _Budget(timeout_s, rlimit)
     p = problem
-    t0 = time.monotonic()
+    t0 = budget.t0
     types, _, _ = _template(p)
     r = instances
     keys = [(t.name, q) for t in types for q in range(r)]
@@ -260,12 +317,11 @@ def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float = 10
     upper = int(sum(t.duration for t in types) * r + p.comm_delay * len(types) * r)
 
     def attempt(period):
-        left = timeout_s - (time.monotonic() - t0)
-        if left <= 0.01:
-            raise TimeoutError(f"no repetend found within {timeout_s:g} s (period "
-                               f"{period} open); expected a larger timeout_s")
+        if budget.spent():
+            raise TimeoutError(f"no repetend found within {budget} (period {period} open); "
+                               f"expected {budget.larger()}")
         solver = z3.Solver()
-        solver.set("timeout", max(1, int(left * 1000)))
+        budget.arm(solver)
         o = {k: z3.Int(f"o_{k[0]}_{k[1]}") for k in keys}
         t = {k: z3.Int(f"t_{k[0]}_{k[1]}") for k in keys}
         for k in keys:
@@ -312,8 +368,8 @@ def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float = 10
                                <= p.memory_limit[d])
         res = solver.check()
         if res == z3.unknown:
-            raise TimeoutError(f"the solver gave up at period {period} within {timeout_s:g} s; "
-                               f"expected a larger timeout_s")
+            raise TimeoutError(f"the solver gave up at period {period} within {budget}; "
+                               f"expected {budget.larger()}")
         return (solver, o, t, order_vars) if res == z3.sat else None
 
     # Feasibility is monotone in the period (a longer period keeps every constraint: offsets
@@ -341,11 +397,10 @@ def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float = 10
     model = solver.model()
     while True:
         cur = max(model.eval(o[k]).as_long() for k in keys)
-        left = timeout_s - (time.monotonic() - t0)
-        if cur == 0 or left <= 0.01:
+        if cur == 0 or budget.spent():
             break
         solver.push()
-        solver.set("timeout", max(1, int(left * 1000)))
+        budget.arm(solver)
         solver.add(z3.And([o[k] <= cur - 1 for k in keys]))
         if solver.check() != z3.sat:
             solver.pop()
@@ -373,12 +428,11 @@ def find_repetend(problem: Problem, *, instances: int = 1, timeout_s: float = 10
     best_span = unroll(p, best).makespan
     solver.add(z3.And([o[k] <= best.depth for k in keys]))
     for _ in range(candidates - 1):
-        left = timeout_s - (time.monotonic() - t0)
-        if left <= 0.01:
+        if budget.spent():
             break
         solver.add(z3.Or([o[k] != model.eval(o[k]) for k in keys]
                          + [v != model.eval(v, model_completion=True) for v in order_vars]))
-        solver.set("timeout", max(1, int(left * 1000)))
+        budget.arm(solver)
         if solver.check() != z3.sat:
             break
         model = solver.model()
@@ -444,12 +498,14 @@ def _steady_pairs(problem: Problem, rep: Repetend, unrolled: Schedule) -> set:
     return pairs
 
 
-def tessel(problem: Problem, *, instances=(1, 2), timeout_s: float = 20.0,
-           completion_timeout_s: float | None = None) -> TesselResult:
+def tessel(problem: Problem, *, instances=(1, 2), timeout_s: float | None = 20.0,
+           completion_timeout_s: float | None = None, rlimit: int | None = None) -> TesselResult:
     """Tessel's search: the repetend with the best time per micro-batch over ``instances``
     (phase 1), unrolled over the problem's micro-batches and its warm-up and cool-down re-solved
     (phase 2). ``timeout_s`` bounds phase 1 per instance count; phase 2 gets
-    ``completion_timeout_s`` (default ``timeout_s``)."""
+    ``completion_timeout_s`` (default ``timeout_s``). ``rlimit``: z3 resource units per solver
+    check in both phases; with ``timeout_s=None`` the search is deterministic (the same schedule
+    on every machine, however loaded; see :func:`solve_exact`)."""
     t0 = time.monotonic()
     _, _, m = _template(problem)
     best = None
@@ -458,7 +514,7 @@ def tessel(problem: Problem, *, instances=(1, 2), timeout_s: float = 20.0,
         if r > m:
             continue
         try:
-            rep = find_repetend(problem, instances=r, timeout_s=timeout_s)
+            rep = find_repetend(problem, instances=r, timeout_s=timeout_s, rlimit=rlimit)
         except (ScheduleError, TimeoutError) as e:
             reasons.append(f"{r} per period: {e}")
             continue
@@ -473,7 +529,7 @@ def tessel(problem: Problem, *, instances=(1, 2), timeout_s: float = 20.0,
     t1 = time.monotonic()
     fixed = _steady_pairs(problem, rep, unrolled)
     res = solve_exact(problem, timeout_s=completion_timeout_s or timeout_s, upper=unrolled,
-                      fixed_orders=fixed, policy="Tessel search")
+                      fixed_orders=fixed, policy="Tessel search", rlimit=rlimit)
     sched = Schedule(problem, dict(res.schedule.start), "Tessel search",
                      time.monotonic() - t0)
     check(sched)

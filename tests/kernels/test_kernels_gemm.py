@@ -243,6 +243,22 @@ def test_dropout_mm_is_the_product_of_the_dropout(monkeypatch, shape, bias):
            _bound(xd, wt, b.double().abs() if bias else 0.0))
 
 
+def test_a_dropout_from_its_keep_flags_is_the_dropout():
+    """``_dropout.masked``: the seed's dropout, bit for bit (a NaN stays NaN where kept and
+    dropped alike, as torch's ``x * 0``), from flags read off a dropout of ones."""
+    x = torch.randn(37, 19, dtype=torch.float64)
+    x[0, :2] = float("nan")
+    ones = _dropout.dropout(torch.ones(37, 19, dtype=torch.float64), 0.4, 5)
+    keep = (ones != 0).numpy().reshape(-1).astype("uint8")
+    assert 0 < keep.sum() < keep.size
+    got = _dropout.masked(x, 0.4, keep)
+    want = _dropout.dropout(x, 0.4, 5)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    with pytest.raises(ValueError, match=r"\(703,\) keep flags for a tensor of 702 elements"):
+        _dropout.masked(x.reshape(-1)[:702], 0.4, keep)
+
+
 def test_dropout_mm_applies_only_where_the_tiles_do(monkeypatch):
     x, wt = torch.randn(100, 16), torch.randn(16, 8)
     assert not _dropout.dropout_mm_applies(x, wt)  # too few rows for the tiles
@@ -275,8 +291,13 @@ def test_dropout_linear_equals_the_dropout_then_the_linear(monkeypatch, x_grad):
         wrt = [w, b] + ([x] if x_grad else [])
         return [out.detach()] + list(torch.autograd.grad(out, wrt, g))
 
-    got, want = grads(True), grads(False)
-    assert runs == [1]
+    masked = []
+    masked_kernel = _dropout._masked_kernel
+    monkeypatch.setattr(_dropout, "_masked_kernel",
+                        lambda *a: masked.append(1) or masked_kernel(*a))
+    got = grads(True)
+    assert runs == [1] and len(masked) == int(x_grad)  # x's gradient from the keep flags
+    want = grads(False)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     xd = _dropout.dropout(x0, 0.5, 77)

@@ -12,6 +12,9 @@ from ngra.schedule import (Block, Problem, ScheduleError, best_standard, brute_f
                            linear, mshape, pipeline_problem, vshape)
 from ngra.schedule.search import find_repetend, solve_exact, tessel, unroll
 
+# z3 resource units per check: enough for the tiny searches here (the M-shapes of
+# test_schedule_execute_ranks.py need about 100M)
+RLIMIT = 5_000_000
 TINY = {
     "linear 2x3": pipeline_problem(linear(2), micro_batches=3, forward=1, backward=2),
     "unequal 2x3": pipeline_problem(linear(2), micro_batches=3, forward=[1, 3],
@@ -58,6 +61,34 @@ def test_exact_solve_respects_memory_and_reports_infeasible():
     assert tight.makespan == brute_force(prob.with_memory_limit(1)).makespan == 18
     with pytest.raises(ScheduleError, match="no schedule"):
         solve_exact(prob.with_memory_limit(0.5), timeout_s=5)
+
+
+def test_a_resource_limit_alone_bounds_the_search_the_same_everywhere():
+    """``rlimit`` (z3 resource units per solver check) in place of a wall-clock limit: enough
+    units give the proved optimum, the same schedule on every call; too few make the exact
+    solve give up (an error naming the limit, or the schedule it was given, not proved
+    optimal) and the repetend search raise TimeoutError naming it. Bad limits are errors."""
+    prob = TINY["memory 3x2"]
+    opt = brute_force(prob)
+    exact = solve_exact(prob, timeout_s=None, rlimit=RLIMIT)
+    assert exact.optimal and exact.schedule.makespan == opt.makespan
+    runs = [tessel(prob, instances=(1,), timeout_s=None, rlimit=RLIMIT) for _ in range(2)]
+    assert runs[0].schedule.makespan == opt.makespan
+    assert runs[0].schedule.orders() == runs[1].schedule.orders()
+    with pytest.raises(ScheduleError, match="within rlimit 1 per check"):
+        solve_exact(prob, timeout_s=None, rlimit=1)
+    upper = best_standard(prob)
+    given = solve_exact(prob, timeout_s=None, rlimit=1, upper=upper)
+    assert not given.optimal and given.schedule.makespan == upper.makespan
+    with pytest.raises(TimeoutError, match="expected a larger rlimit"):
+        find_repetend(prob, timeout_s=None, rlimit=1)
+    with pytest.raises(ValueError, match="give timeout_s .* or rlimit"):
+        solve_exact(prob, timeout_s=None)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=f"rlimit must be a positive int .*got {bad!r}"):
+            tessel(prob, rlimit=bad)
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        find_repetend(prob, timeout_s=0)
 
 
 def test_solver_needs_integer_durations():
