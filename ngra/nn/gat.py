@@ -103,11 +103,36 @@ class GATConv(Conv):
     def forward(self, g: Graph, x: torch.Tensor):
         return self.propagate(*self.prepare(g, x))
 
+    def _forward_dropped(self, g: Graph, x: torch.Tensor, p: float, seed: int):
+        """``forward(g, dropout(x, p, seed))`` with the dropout made inside ``W x``
+        (``kernels._dense.dropout_linear``: no [N, in] tensor for the dropout, nor kept for
+        backward), the program then run on the projection (vertex field ``"z"``); else
+        NotImplemented (see ``ngra.nn.models._input_layer``): outside the cases
+        ``one_kernel_applies`` names, with a hooked ``lin``, and where the kernel does not take
+        the product."""
+        from kernels import _dense
+
+        from ._utils import one_kernel_applies
+
+        if not one_kernel_applies(self, g, x) or _dense._hooked(self.lin):
+            return NotImplemented
+        g2, _, _ = self.prepare(g, x)  # checks g and x
+        z = _dense.dropout_linear(x, p, seed, self.lin.weight)
+        if z is NotImplemented:
+            return NotImplemented
+        return self.propagate(g2, {"z": z})
+
+    def _projected(self, fields):
+        """``W h`` of an endpoint: the field ``"z"`` where the projection was made before the
+        program (:meth:`_forward_dropped`), else ``self.lin`` of the field ``"h"``."""
+        return fields["z"] if "z" in fields else self.lin(fields["h"])
+
     def apply_edge(self, e):
         H, C = self.heads, self.out_channels
-        z_src = self.lin(e.src["h"])                                                # [E, H*C]
+        z_src = self._projected(e.src)                                              # [E, H*C]
         score = F.linear(z_src, self._head_blocks * self.att_src.reshape(1, H * C)) \
-            + F.linear(self.lin(e.dst["h"]), self._head_blocks * self.att_dst.reshape(1, H * C))
+            + F.linear(self._projected(e.dst),
+                       self._head_blocks * self.att_dst.reshape(1, H * C))
         z_src = z_src.view(-1, H, C)                                   # score [E, H], z [E, H, C]
         alpha = e.softmax(F.leaky_relu(score, self.negative_slope))
         if self.dropout > 0 and self.training:

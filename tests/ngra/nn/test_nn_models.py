@@ -145,14 +145,15 @@ def test_input_dropout_on_a_workers_piece_is_made_again_for_the_linear(monkeypat
     torch.testing.assert_close(gw, want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["gcn", "gin"])
+@pytest.mark.parametrize("name", ["gcn", "gin", "gat"])
 def test_input_dropout_made_inside_the_first_linear(monkeypatch, name):
-    """GCN's and GIN's first layer take the model's input dropout into their first Linear
-    (``kernels._dense.dropout_linear``, through ``_forward_dropped``): the model's output and
-    every gradient are those of the dropout made first (the same seed drawn), bit for bit."""
+    """GCN's, GIN's and GAT's first layer take the model's input dropout into their first Linear
+    (``kernels._dense.dropout_linear``, through ``_forward_dropped``; GAT's program then runs on
+    the projection): the model's output and every gradient are those of the dropout made first
+    (the same seed drawn), bit for bit."""
     import ngra
     from kernels import _dense, _gemm
-    from ngra.nn import GCNConv, GINConv
+    from ngra.nn import GATConv, GCNConv, GINConv
 
     monkeypatch.setattr(_gemm, "MIN_ROWS", 1)  # the tiles on a test-sized graph
     monkeypatch.setattr(_dense, "MIN_BYTES", 0)
@@ -172,7 +173,7 @@ def test_input_dropout_made_inside_the_first_linear(monkeypatch, name):
 
     fused = run()
     assert len(calls) == 1
-    cls = GCNConv if name == "gcn" else GINConv
+    cls = {"gcn": GCNConv, "gin": GINConv, "gat": GATConv}[name]
     monkeypatch.setattr(cls, "_forward_dropped", lambda self, *a, **k: NotImplemented)
     unfused = run()
     assert len(calls) == 1
