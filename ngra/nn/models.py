@@ -58,7 +58,7 @@ def _act_dropout(x: torch.Tensor, activation: str, p: float, training: bool, g=N
 
 def _input_layer(layer, g, x: torch.Tensor, p: float, training: bool, kwargs: dict):
     """``layer(g, _dropout(x, p, training, g), **kwargs)``. A layer with a
-    ``_forward_dropped(g, x, p, seed, **kwargs)`` method (GCN's, GIN's: their first op is a
+    ``_forward_dropped(g, x, p, seed, **kwargs)`` method (GCN's, GIN's, GAT's: their first op is a
     Linear on ``x``) may take the dropout into that Linear (``kernels._dense.dropout_linear``:
     no [N, F] tensor for the dropout of the input features); it returns NotImplemented where it
     does not, and the dropout is then made with the seed drawn here: the same seed, mask and
