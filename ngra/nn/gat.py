@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..graph import Graph
 from ._utils import Conv, check_bool, check_features, check_float, check_graph, check_int, \
-    check_prob, glorot_
+    check_prob, glorot_, one_kernel_applies
 
 __all__ = ["GATConv"]
 
@@ -111,8 +111,6 @@ class GATConv(Conv):
         ``one_kernel_applies`` names, with a hooked ``lin``, and where the kernel does not take
         the product."""
         from kernels import _dense
-
-        from ._utils import one_kernel_applies
 
         if not one_kernel_applies(self, g, x) or _dense._hooked(self.lin):
             return NotImplemented
